@@ -1,0 +1,5 @@
+//! kiln-lm: models in burn (causal decoder compatible with Llama / Qwen2, bidirectional
+//! masked-diffusion denoiser compatible with LLaDA), weight loading, tokenizers and generation.
+//! Knows nothing of RL.
+
+pub mod cli;
