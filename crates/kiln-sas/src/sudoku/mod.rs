@@ -1,0 +1,23 @@
+//! Sudoku for the SAS experiments (METHODS.md section 2).
+//!
+//! - [`Board`] / [`Shape`]: 4x4 (2x2 boxes) and 9x9 (3x3 boxes) boards, parsing with clear errors;
+//! - [`solve`]: bitmask solver with propagation and MRV search, counting solutions up to 2;
+//! - [`expert_order`]: the human-style fill order (naked singles, hidden singles, search) and
+//!   the [`Difficulty`] grade;
+//! - [`generate`] / [`load_or_generate`]: seeded generator of unique-solution puzzles, cached
+//!   as JSONL under `datasets/cache/sudoku/`;
+//! - [`load_file`]: loaders for 81-char lines, JSONL with solutions and the 4x4 CSV;
+//! - [`tokens`]: the token encoding for the denoiser and Kendall tau between orders.
+
+mod board;
+mod expert;
+mod solver;
+
+pub use board::{Board, BoardError, Shape, UnitKind};
+pub use expert::{
+    Difficulty, ExpertError, ExpertOrder, Fill, Technique, expert_order, expert_order_solving,
+    grade,
+};
+pub use solver::{
+    Solution, count_solutions, has_unique_solution, random_solution, solve, solve_with_limit,
+};
