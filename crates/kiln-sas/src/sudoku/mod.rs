@@ -10,13 +10,24 @@
 //! - [`tokens`]: the token encoding for the denoiser and Kendall tau between orders.
 
 mod board;
+mod dataset;
 mod expert;
+mod generator;
 mod solver;
+pub mod tokens;
 
 pub use board::{Board, BoardError, Shape, UnitKind};
+pub use dataset::{
+    Format, LineError, LoadError, LoadOptions, Loaded, Puzzle, PuzzleRecord, check_record,
+    load_file, load_puzzles, parse_text, write_jsonl,
+};
 pub use expert::{
     Difficulty, ExpertError, ExpertOrder, Fill, Technique, expert_order, expert_order_solving,
     grade,
+};
+pub use generator::{
+    CACHE_DIR_ENV, GENERATOR_VERSION, GenParams, GenerateError, cache_path, default_cache_dir,
+    generate, generate_one, load_or_generate, load_or_generate_in,
 };
 pub use solver::{
     Solution, count_solutions, has_unique_solution, random_solution, solve, solve_with_limit,
