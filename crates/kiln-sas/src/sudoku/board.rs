@@ -442,6 +442,21 @@ impl fmt::Display for Board {
     }
 }
 
+/// Serialized as the one-line string with `.` blanks.
+impl Serialize for Board {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_line('.'))
+    }
+}
+
+/// Deserialized from a 16- or 81-character string (blanks `.` or `0`), validated like [`Board::parse`].
+impl<'de> Deserialize<'de> for Board {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Board, D::Error> {
+        let s = String::deserialize(deserializer)?;
+        Board::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
 impl std::str::FromStr for Board {
     type Err = BoardError;
     fn from_str(s: &str) -> Result<Board, BoardError> {
@@ -507,5 +522,10 @@ mod tests {
         assert_eq!(serde_json::to_string(&Shape::NINE).unwrap(), "9");
         assert_eq!(serde_json::from_str::<Shape>("4").unwrap(), Shape::FOUR);
         assert!(serde_json::from_str::<Shape>("5").is_err());
+        let b = Board::parse("1.3.............").unwrap();
+        let j = serde_json::to_string(&b).unwrap();
+        assert_eq!(j, "\"1.3.............\"");
+        assert_eq!(serde_json::from_str::<Board>(&j).unwrap(), b);
+        assert!(serde_json::from_str::<Board>("\"11..............\"").is_err());
     }
 }

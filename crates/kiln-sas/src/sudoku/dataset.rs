@@ -21,10 +21,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::board::{Board, BoardError};
+use super::expert::{ExpertError, ExpertOrder, expert_order};
 use super::solver::solve;
 
 /// A puzzle with its solution.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Puzzle {
     /// The puzzle (blanks are `0`).
     pub puzzle: Board,
@@ -49,6 +50,11 @@ impl Puzzle {
     /// Number of givens.
     pub fn n_givens(&self) -> usize {
         self.puzzle.n_givens()
+    }
+
+    /// The expert fill order of this puzzle (see [`expert_order`]).
+    pub fn expert_order(&self) -> Result<ExpertOrder, ExpertError> {
+        expert_order(&self.puzzle, &self.solution)
     }
 
     /// The JSONL record (`'.'` for blanks, like the magictour file).

@@ -255,6 +255,9 @@ pub fn load_or_generate_in(
     cache_dir: &Path,
 ) -> Result<Vec<Puzzle>, GenerateError> {
     params.validate()?;
+    if params.count == 0 {
+        return Ok(Vec::new());
+    }
     let path = cache_path(params, cache_dir);
     if path.exists() {
         match load_cached(&path, params) {
