@@ -379,6 +379,7 @@ impl Board {
     }
 
     /// Whether digit `d` can be written in blank cell `i` without repeating a digit in its units.
+    /// Panics if `i` is out of range.
     pub fn can_place(&self, i: usize, d: u8) -> bool {
         let g = self.shape.geometry();
         if self.cells[i] != 0 || d == 0 || d as usize > g.side {
