@@ -2,15 +2,13 @@
 
 use std::path::PathBuf;
 
-/// Errors of the tracking commands.
-#[derive(Debug, thiserror::Error)]
-pub enum CliError {
-    /// The command is not available in this build yet.
-    #[error("`kiln {0}` is not available yet in this build")]
-    Unavailable(&'static str),
-}
+use crate::TrackError;
 
-/// `kiln report RUN_DIR`: plots and a report of a run directory.
+/// Errors of the tracking commands.
+pub type CliError = TrackError;
+
+/// `kiln report RUN_DIR`: (re)draw `plots/` and write `report.md` from a run directory's `metrics.jsonl` and
+/// `recipe.yaml`. Works on finished, running and crashed runs.
 #[derive(clap::Args, Debug)]
 pub struct ReportArgs {
     /// The run directory (`runs/<name>-<timestamp>/`).
@@ -18,6 +16,14 @@ pub struct ReportArgs {
 }
 
 /// Run `kiln report`.
-pub fn run_report(_args: ReportArgs) -> Result<(), CliError> {
-    Err(CliError::Unavailable("report"))
+pub fn run_report(args: ReportArgs) -> Result<(), CliError> {
+    let r = crate::report::write_report(&args.run_dir)?;
+    println!(
+        "{} ({} rows, {} plots in {})",
+        r.report.display(),
+        r.rows,
+        r.plots.len(),
+        args.run_dir.join("plots").display()
+    );
+    Ok(())
 }
