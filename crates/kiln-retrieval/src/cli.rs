@@ -1,25 +1,49 @@
 //! Command-line entry points wired into the `kiln` binary (`kiln index`, `kiln serve-retriever`,
 //! `kiln bench-retriever`). The binary only parses these argument structs and calls `run_*`.
 
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::bench::BenchConfig;
+use crate::corpus::BadLinePolicy;
+use crate::index::{BuildOptions, IndexRetriever, build_index};
+use crate::server::{ServerConfig, serve, shutdown_signal};
+use crate::{Error, Retriever};
 
 /// Errors of the retrieval commands.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
-    /// The command is not available in this build yet.
-    #[error("`kiln {0}` is not available yet in this build")]
-    Unavailable(&'static str),
+    /// A library error (corpus, index, server).
+    #[error(transparent)]
+    Retrieval(#[from] Error),
+    /// A bad command-line value.
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// `kiln index --corpus PATH --out INDEX_DIR`: build a BM25 index from JSONL corpora.
 #[derive(clap::Args, Debug)]
 pub struct IndexArgs {
     /// Corpus file(s): JSONL (optionally .gz) in Search-R1 `{"id","contents"}` or `{"id","title","text"}` layout.
+    /// Repeat the flag for several files.
     #[arg(long, required = true)]
     pub corpus: Vec<PathBuf>,
-    /// Output index directory.
+    /// Output index directory (an existing kiln index there is replaced).
     #[arg(long)]
     pub out: PathBuf,
+    /// Indexing threads (0 = number of CPUs, at most 8).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Writer memory budget per thread in MiB (at least 15).
+    #[arg(long, default_value_t = 64)]
+    pub heap_mb: usize,
+    /// Stop at the first bad corpus line instead of skipping it with a warning.
+    #[arg(long)]
+    pub strict: bool,
+    /// Keep tantivy's segments instead of merging them into one.
+    #[arg(long)]
+    pub no_merge: bool,
 }
 
 /// `kiln serve-retriever --index INDEX_DIR`: serve Search-R1's `/retrieve` API.
@@ -34,27 +58,170 @@ pub struct ServeArgs {
     /// Port to bind.
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Require `Authorization: Bearer TOKEN` on /retrieve.
+    #[arg(long, env = "KILN_RETRIEVER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// topk when a request gives none (Search-R1's `retrieval_topk`).
+    #[arg(long, default_value_t = 3)]
+    pub default_topk: usize,
+    /// Largest accepted topk.
+    #[arg(long, default_value_t = 100)]
+    pub max_topk: usize,
+    /// Most queries in one request.
+    #[arg(long, default_value_t = 4096)]
+    pub max_queries: usize,
+    /// Longest accepted query in bytes.
+    #[arg(long, default_value_t = crate::index::MAX_QUERY_BYTES)]
+    pub max_query_bytes: usize,
+    /// Largest accepted request body in bytes.
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
 }
 
-/// `kiln bench-retriever`: index build time, QPS, server latency.
+/// `kiln bench-retriever`: index build time, QPS, recall, server latency.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     /// Corpus file(s) to index and query.
-    #[arg(long)]
+    #[arg(long, required = true)]
     pub corpus: Vec<PathBuf>,
+    /// QA file with `question` and `supporting_passage_ids` (e.g. gold_context_union_qa.jsonl).
+    #[arg(long)]
+    pub queries: PathBuf,
+    /// Index directory to build (default: a temporary directory, removed afterwards).
+    #[arg(long)]
+    pub index_dir: Option<PathBuf>,
+    /// Indexing threads (0 = auto).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// k for the QPS measurements.
+    #[arg(long, default_value_t = 10)]
+    pub topk: usize,
+    /// Passes over the questions for the QPS measurements.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Concurrent HTTP clients for the latency measurement.
+    #[arg(long, default_value_t = 32)]
+    pub clients: usize,
+    /// Requests per client.
+    #[arg(long, default_value_t = 200)]
+    pub requests: usize,
+    /// JSON written by `scripts/retrieval/bench_bm25s.py --out FILE`, printed side by side.
+    #[arg(long)]
+    pub peer: Option<PathBuf>,
+    /// Write the kiln figures as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Run `kiln index`.
-pub fn run_index(_args: IndexArgs) -> Result<(), CliError> {
-    Err(CliError::Unavailable("index"))
+pub fn run_index(args: IndexArgs) -> Result<(), CliError> {
+    let opts = BuildOptions {
+        threads: args.threads,
+        heap_mb_per_thread: args.heap_mb,
+        bad_lines: if args.strict {
+            BadLinePolicy::Fail
+        } else {
+            BadLinePolicy::Skip
+        },
+        progress: true,
+        merge: !args.no_merge,
+    };
+    let s = build_index(&args.corpus, &args.out, &opts)?;
+    println!(
+        "indexed {} passages into {} in {:.2} s ({:.0} docs/s, {} threads); skipped {} bad lines, {} duplicate ids",
+        s.docs,
+        args.out.display(),
+        s.seconds,
+        s.docs_per_sec,
+        s.threads,
+        s.skipped_lines,
+        s.duplicate_ids
+    );
+    Ok(())
 }
 
-/// Run `kiln serve-retriever`.
-pub fn run_serve(_args: ServeArgs) -> Result<(), CliError> {
-    Err(CliError::Unavailable("serve-retriever"))
+/// Run `kiln serve-retriever` until SIGINT/SIGTERM.
+pub fn run_serve(args: ServeArgs) -> Result<(), CliError> {
+    let ip: IpAddr = args.host.parse().map_err(|e| {
+        CliError::Usage(format!("--host {:?} is not an IP address: {e}", args.host))
+    })?;
+    if !ip.is_loopback() {
+        tracing::warn!(
+            "binding {ip}: the retriever is reachable from other machines{}",
+            if args.token.is_some() {
+                ""
+            } else {
+                " and has no --token"
+            }
+        );
+    }
+    let retriever = IndexRetriever::open(&args.index)?;
+    let num_docs = retriever.num_docs();
+    let cfg = ServerConfig {
+        token: args.token.filter(|t| !t.is_empty()),
+        max_body_bytes: args.max_body_bytes,
+        max_topk: args.max_topk,
+        default_topk: args.default_topk,
+        max_queries: args.max_queries,
+        max_query_bytes: args.max_query_bytes,
+        max_concurrent_searches: 0,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Usage(format!("cannot start tokio runtime: {e}")))?;
+    rt.block_on(async move {
+        let addr = SocketAddr::new(ip, args.port);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::Server(format!("cannot bind {addr}: {e}")))?;
+        let bound = listener.local_addr().map_err(|e| Error::Server(e.to_string()))?;
+        println!(
+            "serving {num_docs} passages on http://{bound}/retrieve (GET /health){}; Ctrl-C to stop",
+            if cfg.token.is_some() { ", bearer token required" } else { "" }
+        );
+        serve(listener, Arc::new(retriever) as Arc<dyn Retriever>, cfg, shutdown_signal()).await
+    })?;
+    println!("retriever stopped");
+    Ok(())
 }
 
 /// Run `kiln bench-retriever`.
-pub fn run_bench(_args: BenchArgs) -> Result<(), CliError> {
-    Err(CliError::Unavailable("bench-retriever"))
+pub fn run_bench(args: BenchArgs) -> Result<(), CliError> {
+    let tmp;
+    let index_dir = match &args.index_dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile_dir()?;
+            tmp.join("index")
+        }
+    };
+    let cfg = BenchConfig {
+        corpus: args.corpus,
+        queries: args.queries,
+        index_dir: index_dir.clone(),
+        index_threads: args.threads,
+        topk: args.topk,
+        rounds: args.rounds,
+        clients: args.clients,
+        requests_per_client: args.requests,
+        peer: args.peer,
+    };
+    let result = crate::bench::run(&cfg);
+    if let (None, Some(parent)) = (&args.index_dir, index_dir.parent()) {
+        let _ = std::fs::remove_dir_all(parent);
+    }
+    let report = result?;
+    if let Some(p) = args.json {
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|e| CliError::Usage(e.to_string()))?;
+        std::fs::write(&p, text).map_err(|e| Error::io(&p, e))?;
+    }
+    Ok(())
+}
+
+fn tempfile_dir() -> Result<PathBuf, CliError> {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-retriever-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    Ok(dir)
 }

@@ -1,0 +1,327 @@
+//! `kiln bench-retriever`: index build time, single-thread and batch QPS, recall@k, and server p50/p99 latency
+//! under concurrent clients; optionally side by side with the Python peer `bm25s`
+//! (`scripts/retrieval/bench_bm25s.py --out FILE`, then `--peer FILE`). It measures and prints; it asserts nothing.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::eval::{QaItem, RecallAt, load_qa, recall_at};
+use crate::index::{BuildOptions, BuildStats, IndexRetriever, build_index};
+use crate::server::{ServerConfig, spawn};
+use crate::{Error, Retriever};
+
+/// What to benchmark.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// Corpus files.
+    pub corpus: Vec<PathBuf>,
+    /// QA file with `question` and `supporting_passage_ids`.
+    pub queries: PathBuf,
+    /// Where to build the index (replaced if it is a kiln index).
+    pub index_dir: PathBuf,
+    /// Indexing threads (0 = auto).
+    pub index_threads: usize,
+    /// k for the QPS measurements.
+    pub topk: usize,
+    /// Passes over the question set for the single-thread QPS measurement.
+    pub rounds: usize,
+    /// Concurrent HTTP clients.
+    pub clients: usize,
+    /// Requests per client (one query each, topk 3 with scores, as Search-R1's trainer sends).
+    pub requests_per_client: usize,
+    /// Results of the bm25s peer script, to print side by side.
+    pub peer: Option<PathBuf>,
+}
+
+/// Server latency figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LatencyReport {
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Requests sent in all.
+    pub requests: usize,
+    /// Requests answered 2xx.
+    pub ok: usize,
+    /// Median latency in milliseconds.
+    pub p50_ms: f64,
+    /// 99th percentile latency in milliseconds.
+    pub p99_ms: f64,
+    /// Requests per second over the whole run.
+    pub rps: f64,
+}
+
+/// Everything `kiln bench-retriever` measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    /// Index build statistics.
+    pub build: BuildStats,
+    /// Questions used.
+    pub questions: usize,
+    /// Single-thread queries/s, full passages returned (top `topk`).
+    pub qps_single: f64,
+    /// Single-thread queries/s, ids and scores only (no stored-text loading).
+    pub qps_single_ids: f64,
+    /// Queries/s of one `search_batch` over all questions on all cores.
+    pub qps_batch: f64,
+    /// Threads available to the batch measurement.
+    pub batch_threads: usize,
+    /// recall@3 and recall@10.
+    pub recall: Vec<RecallAt>,
+    /// Server latency under concurrent clients.
+    pub server: LatencyReport,
+}
+
+/// The figures the bm25s peer script writes (`--out`).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct PeerReport {
+    /// Peer name and version.
+    pub name: String,
+    /// Index build seconds.
+    pub index_seconds: f64,
+    /// Single-thread queries/s.
+    pub qps_single: f64,
+    /// Queries/s with all threads, if measured.
+    #[serde(default)]
+    pub qps_batch: Option<f64>,
+    /// recall@3.
+    pub recall_at_3: f64,
+    /// recall@10.
+    pub recall_at_10: f64,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// Fires `clients` x `per_client` single-query requests at `url` and measures latency.
+pub fn load_test(
+    url: &str,
+    questions: &[String],
+    clients: usize,
+    per_client: usize,
+) -> LatencyReport {
+    let start = Instant::now();
+    let handles: Vec<_> = (0..clients)
+        .map(|c| {
+            let url = url.to_string();
+            let qs: Vec<String> = questions.to_vec();
+            std::thread::spawn(move || {
+                let client = reqwest::blocking::Client::builder()
+                    .timeout(Duration::from_secs(60))
+                    .build();
+                let mut lat = Vec::with_capacity(per_client);
+                let mut ok = 0usize;
+                let Ok(client) = client else {
+                    return (lat, ok);
+                };
+                for i in 0..per_client {
+                    let q = &qs[(c * per_client + i) % qs.len().max(1)];
+                    let body =
+                        serde_json::json!({"queries": [q], "topk": 3, "return_scores": true});
+                    let t = Instant::now();
+                    let r = client.post(&url).json(&body).send().and_then(|r| {
+                        let s = r.status();
+                        r.bytes().map(|_| s)
+                    });
+                    lat.push(t.elapsed().as_secs_f64() * 1e3);
+                    if matches!(r, Ok(s) if s.is_success()) {
+                        ok += 1;
+                    }
+                }
+                (lat, ok)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut ok = 0;
+    for h in handles {
+        if let Ok((l, o)) = h.join() {
+            all.extend(l);
+            ok += o;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    all.sort_by(|a, b| a.total_cmp(b));
+    LatencyReport {
+        clients,
+        requests: clients * per_client,
+        ok,
+        p50_ms: percentile(&all, 50.0),
+        p99_ms: percentile(&all, 99.0),
+        rps: all.len() as f64 / secs.max(1e-9),
+    }
+}
+
+fn qps_single(
+    r: &IndexRetriever,
+    qa: &[QaItem],
+    k: usize,
+    rounds: usize,
+    ids_only: bool,
+) -> Result<f64, Error> {
+    // Warm-up pass (page cache, allocator).
+    for q in qa {
+        r.search_hits(&q.question, k)?;
+    }
+    let t = Instant::now();
+    let mut n = 0usize;
+    for _ in 0..rounds.max(1) {
+        for q in qa {
+            if ids_only {
+                std::hint::black_box(r.search_hits(&q.question, k)?);
+            } else {
+                std::hint::black_box(r.search_one(&q.question, k)?);
+            }
+            n += 1;
+        }
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Runs the whole benchmark and prints a report to stdout.
+pub fn run(cfg: &BenchConfig) -> Result<BenchReport, Error> {
+    let qa = load_qa(&cfg.queries)?;
+    if qa.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: no questions",
+            cfg.queries.display()
+        )));
+    }
+    let opts = BuildOptions {
+        threads: cfg.index_threads,
+        ..Default::default()
+    };
+    let build = build_index(&cfg.corpus, &cfg.index_dir, &opts)?;
+    println!(
+        "index build: {} docs in {:.2} s ({:.0} docs/s, {} threads)",
+        build.docs, build.seconds, build.docs_per_sec, build.threads
+    );
+    let r = Arc::new(IndexRetriever::open(&cfg.index_dir)?);
+    let qps1 = qps_single(&r, &qa, cfg.topk, cfg.rounds, false)?;
+    let qps1_ids = qps_single(&r, &qa, cfg.topk, cfg.rounds, true)?;
+    let queries: Vec<String> = qa.iter().map(|q| q.question.clone()).collect();
+    let t = Instant::now();
+    let mut n = 0;
+    for _ in 0..cfg.rounds.max(1) {
+        std::hint::black_box(r.search_batch(&queries, cfg.topk)?);
+        n += queries.len();
+    }
+    let qps_b = n as f64 / t.elapsed().as_secs_f64().max(1e-9);
+    let batch_threads = rayon::current_num_threads();
+    let recall = recall_at(&*r, &qa, &[3, 10])?;
+    println!(
+        "search (k={}): single-thread {qps1:.0} q/s (passages), {qps1_ids:.0} q/s (ids only); batch {qps_b:.0} q/s on {batch_threads} threads",
+        cfg.topk
+    );
+    for x in &recall {
+        println!(
+            "recall@{}: {:.4} (all supporting found: {:.4}) over {} questions",
+            x.k, x.recall, x.all, x.questions
+        );
+    }
+    let server = spawn(
+        r.clone() as Arc<dyn Retriever>,
+        ServerConfig::default(),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        0,
+    )?;
+    let lat = load_test(
+        &server.retrieve_url(),
+        &queries,
+        cfg.clients,
+        cfg.requests_per_client,
+    );
+    server.shutdown()?;
+    println!(
+        "server: {} clients x {} requests: {}/{} ok, p50 {:.2} ms, p99 {:.2} ms, {:.0} req/s",
+        lat.clients, cfg.requests_per_client, lat.ok, lat.requests, lat.p50_ms, lat.p99_ms, lat.rps
+    );
+    let report = BenchReport {
+        build,
+        questions: qa.len(),
+        qps_single: qps1,
+        qps_single_ids: qps1_ids,
+        qps_batch: qps_b,
+        batch_threads,
+        recall,
+        server: lat,
+    };
+    if let Some(p) = &cfg.peer {
+        print_side_by_side(&report, p)?;
+    }
+    Ok(report)
+}
+
+fn print_side_by_side(k: &BenchReport, peer_path: &Path) -> Result<(), Error> {
+    let text = std::fs::read_to_string(peer_path).map_err(|e| Error::io(peer_path, e))?;
+    let p: PeerReport = serde_json::from_str(&text).map_err(|e| Error::BadLine {
+        path: peer_path.to_path_buf(),
+        line: e.line(),
+        msg: format!("not a bench_bm25s.py report: {e}"),
+    })?;
+    let r3 = k
+        .recall
+        .iter()
+        .find(|x| x.k == 3)
+        .map(|x| x.recall)
+        .unwrap_or(f64::NAN);
+    let r10 = k
+        .recall
+        .iter()
+        .find(|x| x.k == 10)
+        .map(|x| x.recall)
+        .unwrap_or(f64::NAN);
+    println!();
+    println!("{:<28} {:>14} {:>14} {:>10}", "", "kiln", &p.name, "ratio");
+    println!(
+        "{:<28} {:>14.2} {:>14.2} {:>10.2}",
+        "index build (s)",
+        k.build.seconds,
+        p.index_seconds,
+        p.index_seconds / k.build.seconds.max(1e-9)
+    );
+    println!(
+        "{:<28} {:>14.0} {:>14.0} {:>9.2}x",
+        "QPS single-thread",
+        k.qps_single,
+        p.qps_single,
+        k.qps_single / p.qps_single.max(1e-9)
+    );
+    if let Some(pb) = p.qps_batch {
+        println!(
+            "{:<28} {:>14.0} {:>14.0} {:>9.2}x",
+            "QPS batch (all threads)",
+            k.qps_batch,
+            pb,
+            k.qps_batch / pb.max(1e-9)
+        );
+    }
+    println!(
+        "{:<28} {:>14.4} {:>14.4} {:>+10.4}",
+        "recall@3",
+        r3,
+        p.recall_at_3,
+        r3 - p.recall_at_3
+    );
+    println!(
+        "{:<28} {:>14.4} {:>14.4} {:>+10.4}",
+        "recall@10",
+        r10,
+        p.recall_at_10,
+        r10 - p.recall_at_10
+    );
+    let ratio = k.qps_single / p.qps_single.max(1e-9);
+    let target = ratio >= 2.0 && r10 >= p.recall_at_10 - 0.02;
+    println!(
+        "target (QPS >= 2x {} at recall@10 >= peer - 2 pts): {}",
+        p.name,
+        if target { "met" } else { "NOT met" }
+    );
+    Ok(())
+}

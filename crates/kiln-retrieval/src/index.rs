@@ -1,0 +1,659 @@
+//! Building a tantivy BM25 index from corpora, and searching it in-process.
+//!
+//! **Schema.** `id` (raw string, stored), `title` and `text` (stored only) and `body` (title + text, indexed with
+//! term frequencies, not stored). Ranking is tantivy's BM25 over `body`, the same "one contents field" setup as
+//! pyserini's Search-R1/FlashRAG indexes.
+//!
+//! **BM25 parameters.** tantivy 0.27 hard-codes `k1 = 1.2` and `b = 0.75` (`tantivy::query::bm25`); they cannot be
+//! configured, so kiln does not offer a knob for them. IDF is Lucene's `ln(1 + (N - n + 0.5) / (n + 0.5))`.
+//!
+//! **Analyzer** (`kiln_en`): tantivy's `SimpleTokenizer` (splits on non-alphanumeric characters), tokens over 40
+//! bytes dropped, lower-cased, Lucene's 33 English stop words removed, Snowball English stemmer. The same analyzer
+//! tokenizes queries.
+//!
+//! **Untrusted queries.** Queries are never parsed by tantivy's query parser: [`IndexRetriever`] runs the analyzer
+//! over the text and builds a `BooleanQuery` of `TermQuery` SHOULD clauses itself, so no string can cause a syntax
+//! error. A query is cut at [`MAX_QUERY_BYTES`] (on a character boundary) and at [`MAX_QUERY_TERMS`] distinct
+//! terms; a query without terms gives an empty list; `k` is capped at the number of documents.
+//!
+//! **Building.** [`build_index`] parses lines in parallel (rayon), feeds tantivy's multi-threaded writer, shows an
+//! indicatif progress bar (bytes read) on a terminal, commits, merges everything into one segment (faster search
+//! for a read-only index), and reports docs/s. It builds into a temporary sibling directory and then replaces
+//! `out`, so re-indexing into an existing index directory replaces it cleanly; a directory that is not a kiln index
+//! (and not empty) is never deleted. Duplicate ids (first occurrence wins) and bad lines are skipped and counted.
+
+use std::collections::HashSet;
+use std::hash::BuildHasher;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rayon::prelude::*;
+use tantivy::collector::TopDocs;
+use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
+use tantivy::schema::{
+    Field, IndexRecordOption, STORED, STRING, Schema, TextFieldIndexing, TextOptions, Value,
+};
+use tantivy::tokenizer::{
+    Language, LowerCaser, RemoveLongFilter, SimpleTokenizer, Stemmer, StopWordFilter, TextAnalyzer,
+};
+use tantivy::{DocAddress, Index, IndexReader, ReloadPolicy, Searcher, TantivyDocument, Term};
+
+use crate::corpus::{BadLinePolicy, BadLines, CorpusDoc, CorpusLines, join_paths, parse_raw_line};
+use crate::{Error, Passage, Retriever};
+
+/// Name under which the analyzer is registered in the index schema.
+pub const ANALYZER_NAME: &str = "kiln_en";
+/// File written into every kiln index directory (build statistics); its presence marks the directory as ours.
+pub const MARKER_FILE: &str = "kiln-index.json";
+/// Queries longer than this many bytes are cut (on a character boundary) before analysis.
+pub const MAX_QUERY_BYTES: usize = 16 * 1024;
+/// At most this many distinct terms of a query are used.
+pub const MAX_QUERY_TERMS: usize = 256;
+
+/// The `kiln_en` analyzer used for passages and queries.
+pub fn analyzer() -> TextAnalyzer {
+    let stop = StopWordFilter::new(Language::English)
+        .unwrap_or_else(|| StopWordFilter::remove(Vec::new()));
+    TextAnalyzer::builder(SimpleTokenizer::default())
+        .filter(RemoveLongFilter::limit(40))
+        .filter(LowerCaser)
+        .filter(stop)
+        .filter(Stemmer::new(Language::English))
+        .build()
+}
+
+struct Fields {
+    id: Field,
+    title: Field,
+    text: Field,
+    body: Field,
+}
+
+fn schema() -> (Schema, Fields) {
+    let mut b = Schema::builder();
+    let id = b.add_text_field("id", STRING | STORED);
+    let title = b.add_text_field("title", STORED);
+    let text = b.add_text_field("text", STORED);
+    let body_opts = TextOptions::default().set_indexing_options(
+        TextFieldIndexing::default()
+            .set_tokenizer(ANALYZER_NAME)
+            .set_index_option(IndexRecordOption::WithFreqs),
+    );
+    let body = b.add_text_field("body", body_opts);
+    (
+        b.build(),
+        Fields {
+            id,
+            title,
+            text,
+            body,
+        },
+    )
+}
+
+fn fields_of(schema: &Schema, dir: &Path) -> Result<Fields, Error> {
+    let get = |name: &str| {
+        schema.get_field(name).map_err(|_| Error::IndexDir {
+            path: dir.to_path_buf(),
+            msg: format!("schema has no field {name:?}; rebuild it with `kiln index`"),
+        })
+    };
+    Ok(Fields {
+        id: get("id")?,
+        title: get("title")?,
+        text: get("text")?,
+        body: get("body")?,
+    })
+}
+
+/// Options of [`build_index`].
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    /// tantivy indexing threads (0 = number of CPUs, at most 8).
+    pub threads: usize,
+    /// Writer memory budget per indexing thread in MiB (tantivy needs at least 15).
+    pub heap_mb_per_thread: usize,
+    /// What to do with unparsable lines.
+    pub bad_lines: BadLinePolicy,
+    /// Show a progress bar on stderr (drawn only when stderr is a terminal).
+    pub progress: bool,
+    /// Merge all segments into one after the commit (recommended for a read-only index).
+    pub merge: bool,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        BuildOptions {
+            threads: 0,
+            heap_mb_per_thread: 64,
+            bad_lines: BadLinePolicy::Skip,
+            progress: true,
+            merge: true,
+        }
+    }
+}
+
+/// What [`build_index`] did.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct BuildStats {
+    /// Passages indexed.
+    pub docs: u64,
+    /// Bad lines skipped.
+    pub skipped_lines: usize,
+    /// Passages skipped because their id was already indexed.
+    pub duplicate_ids: usize,
+    /// Wall-clock seconds for reading, indexing, committing and merging.
+    pub seconds: f64,
+    /// `docs / seconds`.
+    pub docs_per_sec: f64,
+    /// Indexing threads used.
+    pub threads: usize,
+    /// Corpus files read.
+    pub corpus: Vec<PathBuf>,
+    /// Analyzer name.
+    pub analyzer: String,
+}
+
+fn tmp_sibling(out: &Path, tag: &str) -> Result<PathBuf, Error> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| Error::Invalid(format!("--out {} has no directory name", out.display())))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok(parent.join(format!(
+        ".{}.kiln-{tag}-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+fn check_replaceable(out: &Path) -> Result<(), Error> {
+    if !out.exists() {
+        return Ok(());
+    }
+    if !out.is_dir() {
+        return Err(Error::IndexDir {
+            path: out.to_path_buf(),
+            msg: "exists and is not a directory; choose another --out".into(),
+        });
+    }
+    if out.join(MARKER_FILE).is_file() {
+        return Ok(());
+    }
+    let empty = std::fs::read_dir(out)
+        .map_err(|e| Error::io(out, e))?
+        .next()
+        .is_none();
+    if empty {
+        Ok(())
+    } else {
+        Err(Error::IndexDir {
+            path: out.to_path_buf(),
+            msg: format!(
+                "exists, is not empty and is not a kiln index (no {MARKER_FILE}); refusing to replace it. Choose another --out or delete it"
+            ),
+        })
+    }
+}
+
+fn id_hash(state: &std::hash::RandomState, id: &str) -> u64 {
+    state.hash_one(id)
+}
+
+/// Builds an index of the corpus files `corpus` into `out` (replacing a previous kiln index there).
+pub fn build_index(
+    corpus: &[PathBuf],
+    out: &Path,
+    opts: &BuildOptions,
+) -> Result<BuildStats, Error> {
+    if corpus.is_empty() {
+        return Err(Error::Invalid(
+            "no corpus file given (--corpus PATH)".into(),
+        ));
+    }
+    check_replaceable(out)?;
+    let start = Instant::now();
+    let tmp = tmp_sibling(out, "tmp")?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let result = build_into(corpus, &tmp, opts, start);
+    let stats = match result {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    // Swap the new index into place.
+    if out.exists() {
+        let old = tmp_sibling(out, "old")?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+        }
+        std::fs::rename(out, &old).map_err(|e| Error::io(out, e))?;
+        std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    } else {
+        if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
+    }
+    Ok(stats)
+}
+
+fn build_into(
+    corpus: &[PathBuf],
+    dir: &Path,
+    opts: &BuildOptions,
+    start: Instant,
+) -> Result<BuildStats, Error> {
+    let (schema, f) = schema();
+    let index = Index::create_in_dir(dir, schema)?;
+    index.tokenizers().register(ANALYZER_NAME, analyzer());
+    let threads = if opts.threads == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(8)
+    } else {
+        opts.threads
+    };
+    let heap = opts.heap_mb_per_thread.max(15) * threads * 1024 * 1024;
+    let mut writer = index.writer_with_num_threads::<TantivyDocument>(threads, heap)?;
+
+    let total_bytes: u64 = corpus
+        .iter()
+        .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    let pb = if opts.progress {
+        let pb = indicatif::ProgressBar::new(total_bytes);
+        pb.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} indexing [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        pb
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    let mut bad = BadLines::new(opts.bad_lines);
+    let hasher = std::hash::RandomState::new();
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut docs: u64 = 0;
+    let mut duplicates = 0usize;
+    const CHUNK: usize = 4096;
+    for path in corpus {
+        let pbc = pb.clone();
+        let mut lines = CorpusLines::open_with(path, move |file| -> Box<dyn Read + Send> {
+            Box::new(pbc.wrap_read(file))
+        })?;
+        loop {
+            let mut chunk: Vec<(usize, Vec<u8>)> = Vec::with_capacity(CHUNK);
+            let mut buf = Vec::new();
+            while chunk.len() < CHUNK {
+                match lines.next_line(&mut buf)? {
+                    Some(n) => chunk.push((n, std::mem::take(&mut buf))),
+                    None => break,
+                }
+            }
+            if chunk.is_empty() {
+                break;
+            }
+            let parsed: Vec<(usize, Result<Option<CorpusDoc>, String>)> = chunk
+                .par_iter()
+                .map(|(n, raw)| (*n, parse_raw_line(raw)))
+                .collect();
+            for (line_no, res) in parsed {
+                match res {
+                    Ok(Some(d)) => {
+                        if !seen.insert(id_hash(&hasher, &d.id)) {
+                            duplicates += 1;
+                            if duplicates <= 5 {
+                                tracing::warn!(
+                                    "{}:{line_no}: duplicate id {:?} skipped (first occurrence kept)",
+                                    path.display(),
+                                    d.id
+                                );
+                            }
+                            continue;
+                        }
+                        let mut doc = TantivyDocument::default();
+                        let mut body = String::with_capacity(d.title.len() + d.text.len() + 1);
+                        body.push_str(&d.title);
+                        body.push('\n');
+                        body.push_str(&d.text);
+                        doc.add_text(f.body, body);
+                        doc.add_text(f.id, d.id);
+                        doc.add_text(f.title, d.title);
+                        doc.add_text(f.text, d.text);
+                        writer.add_document(doc)?;
+                        docs += 1;
+                    }
+                    Ok(None) => {}
+                    Err(msg) => bad.record(path, line_no, msg)?,
+                }
+            }
+            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            pb.set_message(format!("{docs} docs, {:.0} docs/s", docs as f64 / secs));
+        }
+    }
+    if docs == 0 {
+        pb.finish_and_clear();
+        return Err(Error::EmptyCorpus {
+            paths: join_paths(corpus),
+        });
+    }
+    pb.set_message(format!("{docs} docs, committing"));
+    writer.commit()?;
+    if opts.merge {
+        let ids = index.searchable_segment_ids()?;
+        if ids.len() > 1 {
+            pb.set_message(format!("{docs} docs, merging {} segments", ids.len()));
+            writer.merge(&ids).wait()?;
+        }
+    }
+    writer.garbage_collect_files().wait()?;
+    writer.wait_merging_threads()?;
+    pb.finish_and_clear();
+    let seconds = start.elapsed().as_secs_f64();
+    let stats = BuildStats {
+        docs,
+        skipped_lines: bad.skipped,
+        duplicate_ids: duplicates,
+        seconds,
+        docs_per_sec: docs as f64 / seconds.max(1e-9),
+        threads,
+        corpus: corpus.to_vec(),
+        analyzer: ANALYZER_NAME.to_string(),
+    };
+    let marker = dir.join(MARKER_FILE);
+    let json = serde_json::to_string_pretty(&stats).map_err(|e| Error::Invalid(e.to_string()))?;
+    std::fs::write(&marker, json).map_err(|e| Error::io(&marker, e))?;
+    Ok(stats)
+}
+
+/// Cuts `s` to at most `max` bytes on a character boundary.
+pub fn truncate_str(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// An index opened read-only for in-process search. `Send + Sync`: share one behind an `Arc` across threads.
+pub struct IndexRetriever {
+    _index: Index,
+    _reader: IndexReader,
+    searcher: Searcher,
+    fields: Fields,
+    analyzer: TextAnalyzer,
+    num_docs: u64,
+    stats: Option<BuildStats>,
+}
+
+impl IndexRetriever {
+    /// Opens an index directory built by [`build_index`] (`kiln index`).
+    pub fn open(dir: &Path) -> Result<Self, Error> {
+        let marker = dir.join(MARKER_FILE);
+        if !marker.is_file() {
+            return Err(Error::IndexDir {
+                path: dir.to_path_buf(),
+                msg: format!(
+                    "not a kiln index (no {MARKER_FILE}); build one with `kiln index --corpus CORPUS.jsonl --out {}`",
+                    dir.display()
+                ),
+            });
+        }
+        let stats = std::fs::read_to_string(&marker)
+            .ok()
+            .and_then(|s| serde_json::from_str::<BuildStats>(&s).ok());
+        let index = Index::open_in_dir(dir)?;
+        index.tokenizers().register(ANALYZER_NAME, analyzer());
+        let fields = fields_of(&index.schema(), dir)?;
+        let reader = index
+            .reader_builder()
+            .reload_policy(ReloadPolicy::Manual)
+            .try_into()?;
+        let searcher = reader.searcher();
+        let num_docs = searcher.num_docs();
+        Ok(IndexRetriever {
+            _index: index,
+            _reader: reader,
+            searcher,
+            fields,
+            analyzer: analyzer(),
+            num_docs,
+            stats,
+        })
+    }
+
+    /// Number of passages in the index.
+    pub fn num_docs(&self) -> u64 {
+        self.num_docs
+    }
+
+    /// The statistics written when the index was built, if readable.
+    pub fn build_stats(&self) -> Option<&BuildStats> {
+        self.stats.as_ref()
+    }
+
+    /// The distinct analyzed terms of a query (after the length caps), in order of first occurrence.
+    pub fn query_terms(&self, query: &str) -> Vec<String> {
+        let query = truncate_str(query, MAX_QUERY_BYTES);
+        let mut analyzer = self.analyzer.clone();
+        let mut stream = analyzer.token_stream(query);
+        let mut terms: Vec<String> = Vec::new();
+        while stream.advance() {
+            let t = &stream.token().text;
+            if !terms.iter().any(|x| x == t) {
+                terms.push(t.clone());
+                if terms.len() >= MAX_QUERY_TERMS {
+                    break;
+                }
+            }
+        }
+        terms
+    }
+
+    fn build_query(&self, query: &str) -> Option<Box<dyn Query>> {
+        let terms = self.query_terms(query);
+        let mut clauses: Vec<(Occur, Box<dyn Query>)> = terms
+            .iter()
+            .map(|t| {
+                let q: Box<dyn Query> = Box::new(TermQuery::new(
+                    Term::from_field_text(self.fields.body, t),
+                    IndexRecordOption::WithFreqs,
+                ));
+                (Occur::Should, q)
+            })
+            .collect();
+        match clauses.len() {
+            0 => None,
+            1 => clauses.pop().map(|(_, q)| q),
+            _ => Some(Box::new(BooleanQuery::new(clauses))),
+        }
+    }
+
+    /// Top-`k` hits of a query as (score, address), best first, without loading the stored passages.
+    pub fn search_hits(&self, query: &str, k: usize) -> Result<Vec<(f32, DocAddress)>, Error> {
+        let k = k.min(self.num_docs as usize);
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        let Some(q) = self.build_query(query) else {
+            return Ok(Vec::new());
+        };
+        Ok(self
+            .searcher
+            .search(&*q, &TopDocs::with_limit(k).order_by_score())?)
+    }
+
+    /// Top-`k` passage ids of a query with scores, best first (loads only the id field's stored document).
+    pub fn search_ids(&self, query: &str, k: usize) -> Result<Vec<(String, f32)>, Error> {
+        self.search_hits(query, k)?
+            .into_iter()
+            .map(|(score, addr)| {
+                let doc: TantivyDocument = self.searcher.doc(addr)?;
+                Ok((self.str_field(&doc, self.fields.id), score))
+            })
+            .collect()
+    }
+
+    fn str_field(&self, doc: &TantivyDocument, field: Field) -> String {
+        doc.get_first(field)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Top-`k` passages of one query, best first. Never fails on the query text itself.
+    pub fn search_one(&self, query: &str, k: usize) -> Result<Vec<Passage>, Error> {
+        self.search_hits(query, k)?
+            .into_iter()
+            .map(|(score, addr)| {
+                let doc: TantivyDocument = self.searcher.doc(addr)?;
+                Ok(Passage {
+                    id: self.str_field(&doc, self.fields.id),
+                    title: self.str_field(&doc, self.fields.title),
+                    text: self.str_field(&doc, self.fields.text),
+                    score,
+                })
+            })
+            .collect()
+    }
+}
+
+impl Retriever for IndexRetriever {
+    /// Searches the queries in parallel on rayon's pool (sequentially for a single query).
+    fn search_batch(&self, queries: &[String], k: usize) -> Result<Vec<Vec<Passage>>, Error> {
+        if queries.len() <= 1 {
+            return queries.iter().map(|q| self.search_one(q, k)).collect();
+        }
+        queries.par_iter().map(|q| self.search_one(q, k)).collect()
+    }
+
+    fn search(&self, query: &str, k: usize) -> Result<Vec<Passage>, Error> {
+        self.search_one(query, k)
+    }
+
+    fn num_docs(&self) -> Option<u64> {
+        Some(self.num_docs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn tiny_corpus(dir: &Path) -> PathBuf {
+        let p = dir.join("c.jsonl");
+        let mut f = std::fs::File::create(&p).unwrap();
+        writeln!(
+            f,
+            r#"{{"id":"1","title":"Paris","text":"Paris is the capital of France."}}"#
+        )
+        .unwrap();
+        writeln!(
+            f,
+            r#"{{"id":"2","contents":"\"Berlin\"\nBerlin is the capital of Germany."}}"#
+        )
+        .unwrap();
+        writeln!(
+            f,
+            r#"{{"id":"3","title":"Rome","text":"Rome is the capital of Italy."}}"#
+        )
+        .unwrap();
+        writeln!(f, r#"{{"id":"3","title":"Dup","text":"duplicate id"}}"#).unwrap();
+        writeln!(f, "oops").unwrap();
+        p
+    }
+
+    #[test]
+    fn build_search_reindex() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = tiny_corpus(dir.path());
+        let out = dir.path().join("idx");
+        let opts = BuildOptions {
+            threads: 1,
+            progress: false,
+            ..Default::default()
+        };
+        let s = build_index(std::slice::from_ref(&corpus), &out, &opts).unwrap();
+        assert_eq!((s.docs, s.skipped_lines, s.duplicate_ids), (3, 1, 1));
+        let r = IndexRetriever::open(&out).unwrap();
+        let hits = r.search_one("capital of germany?", 2).unwrap();
+        assert_eq!(hits[0].id, "2");
+        assert_eq!(
+            hits[0].contents(),
+            "\"Berlin\"\nBerlin is the capital of Germany."
+        );
+        assert!(hits[0].score > hits[1].score);
+        assert!(r.search_one("", 3).unwrap().is_empty());
+        assert!(r.search_one("the of", 3).unwrap().is_empty());
+        assert!(r.search_one("paris", 0).unwrap().is_empty());
+        assert_eq!(r.search_one("capital", 1_000_000_000).unwrap().len(), 3);
+        drop(r);
+        // Re-index into the same directory: replaced cleanly, same answers.
+        let s2 = build_index(std::slice::from_ref(&corpus), &out, &opts).unwrap();
+        assert_eq!(s2.docs, 3);
+        let r = IndexRetriever::open(&out).unwrap();
+        assert_eq!(r.num_docs(), 3);
+        assert_eq!(r.search_one("Rome Italy", 1).unwrap()[0].id, "3");
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("kiln-"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    #[test]
+    fn refuses_foreign_dir_and_strict_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = tiny_corpus(dir.path());
+        let foreign = dir.path().join("foreign");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::write(foreign.join("precious.txt"), "keep").unwrap();
+        let opts = BuildOptions {
+            threads: 1,
+            progress: false,
+            ..Default::default()
+        };
+        let e = build_index(std::slice::from_ref(&corpus), &foreign, &opts).unwrap_err();
+        assert!(e.to_string().contains("refusing"), "{e}");
+        assert!(foreign.join("precious.txt").exists());
+        let strict = BuildOptions {
+            bad_lines: BadLinePolicy::Fail,
+            ..opts
+        };
+        let e = build_index(
+            std::slice::from_ref(&corpus),
+            &dir.path().join("s"),
+            &strict,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("c.jsonl:5:"), "{e}");
+        assert!(!dir.path().join("s").exists());
+        assert!(IndexRetriever::open(&foreign).is_err());
+    }
+
+    #[test]
+    fn truncation_respects_char_boundaries() {
+        let s = "é".repeat(10);
+        assert_eq!(truncate_str(&s, 5), "éé");
+        assert_eq!(truncate_str("abc", 10), "abc");
+    }
+}
