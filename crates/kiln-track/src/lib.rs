@@ -160,6 +160,16 @@ impl Tracker {
     /// Open every sink the config enables. Fails only on local problems (the run directory or a file cannot be
     /// created, an invalid setting); network problems of W&B online mode never fail here.
     pub fn open(cfg: &LoggingConfig, info: RunInfo<'_>) -> Result<Tracker, TrackError> {
+        Self::open_with_env(cfg, info, &|k| std::env::var(k).ok())
+    }
+
+    /// [`Tracker::open`] with the `WANDB_*` environment looked up through `env` instead of the process
+    /// environment (for tests, or a CLI that takes these settings from elsewhere).
+    pub fn open_with_env(
+        cfg: &LoggingConfig,
+        info: RunInfo<'_>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Tracker, TrackError> {
         std::fs::create_dir_all(info.run_dir).map_err(|e| TrackError::io(info.run_dir, e))?;
         let mut sinks: Vec<Slot> = Vec::new();
         if cfg.jsonl {
@@ -174,9 +184,7 @@ impl Tracker {
                 failed: false,
             });
         }
-        let ws = wandb::WandbSettings::resolve(&cfg.wandb, info.run_dir, info.name, &|k| {
-            std::env::var(k).ok()
-        })?;
+        let ws = wandb::WandbSettings::resolve(&cfg.wandb, info.run_dir, info.name, env)?;
         if ws.mode != WandbMode::Disabled {
             sinks.push(Slot {
                 sink: Box::new(wandb::WandbSink::open(
