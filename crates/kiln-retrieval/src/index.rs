@@ -548,7 +548,7 @@ impl Retriever for IndexRetriever {
         self.search_one(query, k)
     }
 
-    fn num_docs(&self) -> Option<u64> {
+    fn passage_count(&self) -> Option<u64> {
         Some(self.num_docs)
     }
 }

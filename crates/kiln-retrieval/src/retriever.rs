@@ -40,7 +40,7 @@ pub trait Retriever: Send + Sync {
     }
 
     /// Number of passages searchable, when known (reported by the server's `/health`).
-    fn num_docs(&self) -> Option<u64> {
+    fn passage_count(&self) -> Option<u64> {
         None
     }
 }
@@ -52,8 +52,8 @@ impl<T: Retriever + ?Sized> Retriever for Arc<T> {
     fn search(&self, query: &str, k: usize) -> Result<Vec<Passage>, Error> {
         (**self).search(query, k)
     }
-    fn num_docs(&self) -> Option<u64> {
-        (**self).num_docs()
+    fn passage_count(&self) -> Option<u64> {
+        (**self).passage_count()
     }
 }
 
@@ -64,7 +64,7 @@ impl<T: Retriever + ?Sized> Retriever for Box<T> {
     fn search(&self, query: &str, k: usize) -> Result<Vec<Passage>, Error> {
         (**self).search(query, k)
     }
-    fn num_docs(&self) -> Option<u64> {
-        (**self).num_docs()
+    fn passage_count(&self) -> Option<u64> {
+        (**self).passage_count()
     }
 }

@@ -266,7 +266,7 @@ async fn retrieve(
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
-    let body = serde_json::json!({"status": "ok", "num_docs": st.retriever.num_docs()});
+    let body = serde_json::json!({"status": "ok", "num_docs": st.retriever.passage_count()});
     json_response(StatusCode::OK, body.to_string().into_bytes())
 }
 
