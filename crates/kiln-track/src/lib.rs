@@ -93,11 +93,9 @@ pub(crate) struct Row<'a> {
 }
 
 /// The end of a run, as given to every sink.
-pub(crate) struct End<'a> {
+pub(crate) struct End {
     pub exit_code: i32,
     pub runtime: f64,
-    /// Last value of every metric key, plus `_step`, `_runtime` and `_timestamp` of the last row.
-    pub summary: &'a BTreeMap<String, f64>,
 }
 
 /// A tracking sink.
@@ -105,7 +103,7 @@ pub(crate) trait Sink: Send {
     /// Short name for warnings (`jsonl`, `wandb`, `tensorboard`).
     fn name(&self) -> &'static str;
     fn log(&mut self, row: &Row<'_>) -> Result<(), TrackError>;
-    fn finish(&mut self, end: &End<'_>) -> Result<(), TrackError>;
+    fn finish(&mut self, end: &End) -> Result<(), TrackError>;
 }
 
 impl Sink for jsonl::JsonlSink {
@@ -115,7 +113,7 @@ impl Sink for jsonl::JsonlSink {
     fn log(&mut self, row: &Row<'_>) -> Result<(), TrackError> {
         jsonl::JsonlSink::log(self, row.step, row.metrics)
     }
-    fn finish(&mut self, _end: &End<'_>) -> Result<(), TrackError> {
+    fn finish(&mut self, _end: &End) -> Result<(), TrackError> {
         jsonl::JsonlSink::finish(self)
     }
 }
@@ -191,7 +189,7 @@ impl Tracker {
                     &ws,
                     info.run_dir,
                     info.config,
-                    info.resume_from_step.is_some(),
+                    info.resume_from_step,
                 )?),
                 failed: false,
             });
@@ -269,7 +267,6 @@ impl Tracker {
         let end = End {
             exit_code,
             runtime: self.started.elapsed().as_secs_f64(),
-            summary: &self.summary,
         };
         let mut first_err = None;
         for slot in self.sinks.iter_mut().filter(|s| !s.failed) {

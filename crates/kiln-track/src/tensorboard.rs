@@ -135,7 +135,7 @@ impl Sink for TensorBoardSink {
         })
     }
 
-    fn finish(&mut self, _end: &End<'_>) -> Result<(), TrackError> {
+    fn finish(&mut self, _end: &End) -> Result<(), TrackError> {
         self.file
             .sync_all()
             .map_err(|e| TrackError::io(&self.path, e))

@@ -313,7 +313,12 @@ fn key_env(k: &str) -> Option<String> {
 
 /// Concatenate the history lines of every file_stream request, checking that offsets are contiguous.
 fn streamed_history(reqs: &[Received]) -> Vec<String> {
-    let mut lines: Vec<String> = Vec::new();
+    streamed_history_at(reqs, 0)
+}
+
+/// [`streamed_history`] for a server that already holds `base` lines (placeholders here).
+fn streamed_history_at(reqs: &[Received], base: usize) -> Vec<String> {
+    let mut lines: Vec<String> = vec![String::new(); base];
     for r in reqs.iter().filter(|r| r.path.ends_with("/file_stream")) {
         let body = r.json();
         if let Some(h) = body["files"].get("wandb-history.jsonl") {
@@ -669,4 +674,104 @@ fn env_settings_apply_and_recipe_overrides_them() {
         &bad,
     );
     assert!(err.unwrap_err().to_string().contains("WANDB_MODE"));
+}
+
+#[test]
+fn resumed_run_continues_the_same_wandb_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = serde_json::json!({"name": "resumed"});
+    let open = |cfg: &LoggingConfig, resume: Option<u64>| {
+        Tracker::open_with_env(
+            cfg,
+            RunInfo {
+                run_dir: dir.path(),
+                name: "resumed",
+                config: &config,
+                resume_from_step: resume,
+            },
+            &key_env,
+        )
+        .unwrap()
+    };
+    // first session: offline, 30 steps, then "crashes" after a checkpoint at step 20
+    let mut cfg = offline_cfg();
+    cfg.wandb.run_id = Some("kilnrun1".into());
+    let mut t = open(&cfg, None);
+    for step in 1..=30 {
+        t.log(step, &metrics(step));
+    }
+    drop(t);
+    // second session: online, resumes from step 20
+    let server = FakeWandb::start();
+    let mut t = open(&online_cfg(&server.base_url(), 20.0), Some(20));
+    for step in 21..=40 {
+        t.log(step, &metrics(step));
+    }
+    t.finish(0).unwrap();
+
+    let wandb_dir = dir.path().join("wandb");
+    let names: Vec<String> = std::fs::read_dir(&wandb_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("offline-run-"))
+        .collect();
+    assert_eq!(
+        names
+            .iter()
+            .filter(|n| n.starts_with("superseded-offline-run-"))
+            .count(),
+        1,
+        "{names:?}"
+    );
+    let newest = wandb_dir.join(
+        names
+            .iter()
+            .find(|n| n.starts_with("offline-run-"))
+            .unwrap(),
+    );
+    let file = find_wandb_file(&newest);
+    let out = wandb_cli(
+        &[
+            "leet",
+            "inspect",
+            "--json",
+            "--summary",
+            file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && stderr.trim().is_empty(), "{stderr}");
+    let s = json_lenient(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(
+        (s["state"].as_str(), s["step"].as_u64()),
+        (Some("finished"), Some(40)),
+        "{s}"
+    );
+    let steps: Vec<u64> = read_wandb_records(&file)
+        .iter()
+        .filter_map(|r| match &r.record_type {
+            Some(RecordType::History(h)) => Some(h.step.as_ref().unwrap().num as u64),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        steps,
+        (1..=40).collect::<Vec<_>>(),
+        "the newest offline dir holds the whole run"
+    );
+    // online: the new rows replace the server's lines from the resume point on
+    let reqs = server.received();
+    let first = reqs
+        .iter()
+        .find(|r| r.path.ends_with("/file_stream"))
+        .unwrap()
+        .json();
+    assert_eq!(first["files"]["wandb-history.jsonl"]["offset"], 20);
+    let lines = streamed_history_at(&reqs, 20);
+    assert_eq!(lines.len(), 40);
+    assert_eq!(
+        lines[20..].iter().map(|l| step_of(l)).collect::<Vec<_>>(),
+        (21..=40).collect::<Vec<_>>()
+    );
 }

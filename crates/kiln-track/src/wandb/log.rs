@@ -86,11 +86,25 @@ impl<W: Write> LogWriter<W> {
 
 /// Read every record back (for tests and tools). Stops with an error at the first corrupt chunk.
 pub fn read_records(bytes: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+    let (records, err) = read_records_lenient(bytes);
+    match err {
+        Some(e) => Err(e),
+        None => Ok(records),
+    }
+}
+
+/// Read the records up to the first corrupt or truncated chunk (e.g. the tail a crash left), and that error.
+pub fn read_records_lenient(bytes: &[u8]) -> (Vec<Vec<u8>>, Option<String>) {
+    let mut out = Vec::new();
+    let err = read_into(bytes, &mut out).err();
+    (out, err)
+}
+
+fn read_into(bytes: &[u8], out: &mut Vec<Vec<u8>>) -> Result<(), String> {
     if bytes.len() < FILE_HEADER.len() || bytes[..FILE_HEADER.len()] != FILE_HEADER {
         return Err("not a .wandb file (bad header)".into());
     }
     let mut pos = FILE_HEADER.len();
-    let mut out = Vec::new();
     let mut cur: Option<Vec<u8>> = None;
     while pos < bytes.len() {
         let left_in_block = BLOCK_SIZE - pos % BLOCK_SIZE;
@@ -133,7 +147,7 @@ pub fn read_records(bytes: &[u8]) -> Result<Vec<Vec<u8>>, String> {
         }
         pos = start + len;
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]

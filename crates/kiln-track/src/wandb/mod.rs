@@ -238,21 +238,6 @@ pub(crate) fn json_object(items: &[(String, String)]) -> String {
     s
 }
 
-/// Summary items: every key's last value (the summary map already holds `_step`, `_runtime`, `_timestamp`).
-pub(crate) fn summary_items(summary: &BTreeMap<String, f64>) -> Vec<(String, String)> {
-    summary
-        .iter()
-        .map(|(k, v)| {
-            let j = if k == "_step" {
-                format!("{}", *v as u64)
-            } else {
-                json_number(*v)
-            };
-            (k.clone(), j)
-        })
-        .collect()
-}
-
 fn kv(items: &[(String, String)]) -> Vec<KeyValueItem> {
     items
         .iter()
@@ -271,23 +256,36 @@ pub(crate) struct WandbSink {
     writer: log::LogWriter<File>,
     num: i64,
     online: Option<online::Streamer>,
+    /// Last value (JSON) of every history key, replayed rows included: the W&B summary.
+    summary: BTreeMap<String, String>,
+    /// `_runtime` of the last replayed row: a resumed run's runtime continues from there.
+    runtime_offset: f64,
 }
 
 impl WandbSink {
     /// Create `<dir>/wandb/offline-run-<YYYYmmdd_HHMMSS>-<id>/run-<id>.wandb` and `files/`, write the header,
     /// run and config records, and start streaming in online mode.
+    ///
+    /// Resuming from step `s`: the same run id is used, and the history rows with step <= s of the previous
+    /// offline directory of this run are copied into the new one first, so the newest directory always holds the
+    /// whole run (`wandb sync` uploads history from line 0 and does not resume); the previous directory is
+    /// renamed `superseded-offline-run-...` so that `wandb sync --sync-all` skips it.
     pub(crate) fn open(
         s: &WandbSettings,
         run_dir: &Path,
         config: &serde_json::Value,
-        resumed: bool,
+        resume_from_step: Option<u64>,
     ) -> Result<WandbSink, TrackError> {
         let run_id = match &s.run_id {
             Some(id) => id.clone(),
-            None => stored_or_new_run_id(run_dir, resumed)?,
+            None => stored_or_new_run_id(run_dir, resume_from_step.is_some())?,
+        };
+        let wandb_dir = s.dir.join("wandb");
+        let replay = match resume_from_step {
+            Some(step) => previous_history(&wandb_dir, &run_id, step),
+            None => Replay::default(),
         };
         let ts = chrono::Local::now().format("%Y%m%d_%H%M%S");
-        let wandb_dir = s.dir.join("wandb");
         let mut offline_dir = wandb_dir.join(format!("offline-run-{ts}-{run_id}"));
         if offline_dir.exists() {
             // A resumed run started within the same second: keep both directories.
@@ -305,6 +303,8 @@ impl WandbSink {
             writer,
             num: 0,
             online: None,
+            summary: BTreeMap::new(),
+            runtime_offset: 0.0,
         };
         sink.write(
             RecordType::Header(HeaderRecord {
@@ -336,10 +336,33 @@ impl WandbSink {
                     seconds: now.timestamp(),
                     nanos: now.timestamp_subsec_nanos() as i32,
                 }),
-                resumed,
+                resumed: resume_from_step.is_some(),
             }),
             true,
         )?;
+        let replayed = replay.rows.len();
+        for h in replay.rows {
+            for it in &h.item {
+                if it.key == "_runtime"
+                    && let Ok(r) = it.value_json.parse::<f64>()
+                {
+                    sink.runtime_offset = r;
+                }
+                sink.summary.insert(it.key.clone(), it.value_json.clone());
+            }
+            sink.write(RecordType::History(h), true)?;
+        }
+        for old in replay.superseded {
+            if let Some(name) = old.file_name() {
+                let to = old.with_file_name(format!("superseded-{}", name.to_string_lossy()));
+                if let Err(e) = std::fs::rename(&old, &to) {
+                    tracing::warn!(
+                        "W&B: could not rename the previous offline run {}: {e}",
+                        old.display()
+                    );
+                }
+            }
+        }
         tracing::info!("W&B offline run: {}", sink.offline_dir.display());
         if s.mode == WandbMode::Online {
             sink.online = Some(online::Streamer::start(
@@ -347,6 +370,7 @@ impl WandbSink {
                 &run_id,
                 &cfg_items,
                 &sink.offline_dir,
+                resume_from_step.map(|_| replayed),
             ));
         }
         Ok(sink)
@@ -367,6 +391,13 @@ impl WandbSink {
             .add_record(&rec.encode_to_vec())
             .map_err(|e| TrackError::io(&self.path, e))
     }
+
+    fn summary_items(&self) -> Vec<(String, String)> {
+        self.summary
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
 }
 
 impl Sink for WandbSink {
@@ -375,9 +406,18 @@ impl Sink for WandbSink {
     }
 
     fn log(&mut self, row: &Row<'_>) -> Result<(), TrackError> {
-        let items = history_items(row);
+        let shifted = Row {
+            step: row.step,
+            metrics: row.metrics,
+            runtime: row.runtime + self.runtime_offset,
+            timestamp: row.timestamp,
+        };
+        let items = history_items(&shifted);
+        for (k, v) in &items {
+            self.summary.insert(k.clone(), v.clone());
+        }
         if let Some(on) = &self.online {
-            on.push_history(json_object(&items));
+            on.push_history(json_object(&items), json_object(&self.summary_items()));
         }
         self.write(
             RecordType::History(HistoryRecord {
@@ -393,8 +433,9 @@ impl Sink for WandbSink {
         )
     }
 
-    fn finish(&mut self, end: &End<'_>) -> Result<(), TrackError> {
-        let items = summary_items(end.summary);
+    fn finish(&mut self, end: &End) -> Result<(), TrackError> {
+        let items = self.summary_items();
+        let runtime = end.runtime + self.runtime_offset;
         let res = self
             .write(
                 RecordType::Summary(SummaryRecord {
@@ -407,7 +448,7 @@ impl Sink for WandbSink {
                 self.write(
                     RecordType::Exit(RunExitRecord {
                         exit_code: end.exit_code,
-                        runtime: end.runtime.round().clamp(0.0, i32::MAX as f64) as i32,
+                        runtime: runtime.round().clamp(0.0, i32::MAX as f64) as i32,
                     }),
                     true,
                 )
@@ -427,6 +468,67 @@ impl Sink for WandbSink {
             );
         }
         res
+    }
+}
+
+/// What a resumed run takes over from its previous offline directory.
+#[derive(Default)]
+struct Replay {
+    /// History records with step <= the resume step, in order.
+    rows: Vec<HistoryRecord>,
+    /// Earlier offline directories of the same run id.
+    superseded: Vec<PathBuf>,
+}
+
+/// Read the newest `offline-run-*-<run_id>` directory's history up to `max_step` (up to the first corrupt
+/// chunk, e.g. the tail of a crashed run).
+fn previous_history(wandb_dir: &Path, run_id: &str, max_step: u64) -> Replay {
+    let Ok(entries) = std::fs::read_dir(wandb_dir) else {
+        return Replay::default();
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.join(format!("run-{run_id}.wandb")).is_file()
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("offline-run-"))
+        })
+        .collect();
+    dirs.sort();
+    let Some(newest) = dirs.last() else {
+        return Replay::default();
+    };
+    let file = newest.join(format!("run-{run_id}.wandb"));
+    let bytes = match std::fs::read(&file) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!("W&B: could not read {} to resume it: {e}", file.display());
+            return Replay::default();
+        }
+    };
+    let (records, err) = log::read_records_lenient(&bytes);
+    if let Some(e) = err {
+        tracing::info!(
+            "W&B: resuming from {} up to a damaged tail ({e})",
+            file.display()
+        );
+    }
+    let rows = records
+        .iter()
+        .filter_map(|r| Record::decode(r.as_slice()).ok())
+        .filter_map(|r| match r.record_type {
+            Some(RecordType::History(h)) => Some(h),
+            _ => None,
+        })
+        .filter(|h| {
+            h.step
+                .as_ref()
+                .is_some_and(|s| s.num >= 0 && s.num as u64 <= max_step)
+        })
+        .collect();
+    Replay {
+        rows,
+        superseded: dirs,
     }
 }
 

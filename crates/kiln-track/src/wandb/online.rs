@@ -56,15 +56,18 @@ struct Ctx {
     auth: String,
     client: Result<reqwest::blocking::Client, String>,
     warned: bool,
+    start_offset: Option<usize>,
 }
 
 impl Streamer {
-    /// Start streaming run `run_id` (its config as (key, JSON) pairs).
+    /// Start streaming run `run_id` (its config as (key, JSON) pairs). `start_offset`: the history line the
+    /// first new row goes to when resuming (the rows kept from before); otherwise the server's line count.
     pub(crate) fn start(
         s: &WandbSettings,
         run_id: &str,
         config: &[(String, String)],
         offline_dir: &Path,
+        start_offset: Option<usize>,
     ) -> Streamer {
         let mut cfg = String::from("{");
         for (i, (k, v)) in config.iter().enumerate() {
@@ -99,6 +102,7 @@ impl Streamer {
             auth,
             client,
             warned: false,
+            start_offset,
         };
         let shared = Arc::new((Mutex::new(State::default()), Condvar::new()));
         let sh = shared.clone();
@@ -112,11 +116,12 @@ impl Streamer {
         Streamer { shared, handle }
     }
 
-    /// Queue one history line (JSON object text).
-    pub(crate) fn push_history(&self, line: String) {
+    /// Queue one history line (JSON object text) and the summary after it.
+    pub(crate) fn push_history(&self, line: String, summary: String) {
         let (m, _) = &*self.shared;
         if let Ok(mut st) = m.lock() {
             st.pending.push_back(line);
+            st.summary = Some(summary);
         }
     }
 
@@ -217,7 +222,7 @@ fn run(mut ctx: Ctx, shared: &(Mutex<State>, Condvar)) {
                     if ctx.settings.entity.is_none() {
                         tracing::info!("W&B run: {}", ctx.settings.run_url(&entity, &ctx.run_id));
                     }
-                    offset = history_lines;
+                    offset = ctx.start_offset.unwrap_or(history_lines);
                     let p = format!(
                         "{}/files/{entity}/{}/{}/file_stream",
                         ctx.settings.base_url, ctx.settings.project, ctx.run_id
