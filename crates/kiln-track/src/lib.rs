@@ -287,3 +287,9 @@ impl Drop for Tracker {
         }
     }
 }
+
+// The trainer may hand the tracker to another thread (e.g. behind an `Arc<Mutex<Option<Tracker>>>`).
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<Tracker>();
+};

@@ -239,7 +239,13 @@ fn draw_on<DB: DrawingBackend>(
     s: &Series,
     font: u32,
 ) -> Result<(), String> {
-    let finite: Vec<(f64, f64)> = s.iter().copied().filter(|(_, v)| v.is_finite()).collect();
+    // Keep the range finite and non-empty even for extreme values (|v| near f64::MAX).
+    const LIM: f64 = f64::MAX / 8.0;
+    let finite: Vec<(f64, f64)> = s
+        .iter()
+        .filter(|(_, v)| v.is_finite())
+        .map(|&(x, v)| (x, v.clamp(-LIM, LIM)))
+        .collect();
     let bad = s.len() - finite.len();
     let (mut x0, mut x1) = finite
         .iter()
@@ -255,12 +261,14 @@ fn draw_on<DB: DrawingBackend>(
         x0 -= 1.0;
         x1 += 1.0;
     }
+    y0 = y0.clamp(-LIM, LIM);
+    y1 = y1.clamp(-LIM, LIM);
     if y0 >= y1 {
         let d = if y0 == 0.0 { 1.0 } else { y0.abs() * 0.1 };
         y0 -= d;
         y1 += d;
     } else {
-        let pad = (y1 - y0) * 0.05;
+        let pad = (y1 / 2.0 - y0 / 2.0) * 0.1;
         y0 -= pad;
         y1 += pad;
     }
@@ -296,6 +304,7 @@ fn draw_on<DB: DrawingBackend>(
     let mut segment: Vec<(f64, f64)> = Vec::new();
     let mut segments = Vec::new();
     for &(x, y) in s {
+        let y = if y.is_finite() { y.clamp(-LIM, LIM) } else { y };
         if y.is_finite() {
             segment.push((x, y));
         } else if !segment.is_empty() {
@@ -381,4 +390,61 @@ pub fn key_stats(rows: &[MetricsRow]) -> BTreeMap<String, KeyStats> {
         st.mean = if n > 0 { st.mean / n as f64 } else { f64::NAN };
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(vals: &[(&str, &[f64])]) -> Vec<MetricsRow> {
+        let n = vals.iter().map(|(_, v)| v.len()).max().unwrap_or(0);
+        (0..n)
+            .map(|i| MetricsRow {
+                step: i as u64 * 1_000_000_000,
+                values: vals
+                    .iter()
+                    .filter_map(|(k, v)| v.get(i).map(|x| (k.to_string(), *x)))
+                    .collect(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn extreme_and_degenerate_series_draw_without_panicking() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = rows(&[
+            ("huge", &[f64::MAX, -f64::MAX, 1.0, f64::MIN_POSITIVE]),
+            ("constant", &[2.0, 2.0, 2.0]),
+            ("single", &[5.0]),
+            ("zero", &[0.0, 0.0]),
+            ("all_nan", &[f64::NAN, f64::INFINITY]),
+            ("gaps", &[1.0, f64::NAN, 3.0, f64::NEG_INFINITY]),
+        ]);
+        let files = write_plots(dir.path(), &r).unwrap();
+        let keys: Vec<&str> = files.iter().map(|f| f.key.as_str()).collect();
+        assert!(!keys.contains(&"all_nan"), "{keys:?}");
+        for f in &files {
+            assert!(dir.path().join(&f.png).is_file() && dir.path().join(&f.svg).is_file());
+        }
+        let stats = key_stats(&r);
+        assert_eq!(stats["gaps"].non_finite, 2);
+        assert_eq!(stats["gaps"].last, f64::NEG_INFINITY);
+        assert_eq!(stats["gaps"].mean, 2.0);
+        assert!(stats["all_nan"].mean.is_nan());
+    }
+
+    #[test]
+    fn curated_keys_first_then_eval_then_rest() {
+        let r = rows(&[
+            ("zeta", &[1.0]),
+            ("eval/em", &[1.0]),
+            ("entropy", &[1.0]),
+            ("reward/mean", &[1.0]),
+        ]);
+        assert_eq!(
+            plot_order(&r),
+            vec!["reward/mean", "entropy", "eval/em", "zeta"]
+        );
+        assert_eq!(file_stem("reward/mean"), "reward_mean");
+    }
 }

@@ -85,12 +85,6 @@ impl Streamer {
             "Basic {}",
             base64::engine::general_purpose::STANDARD.encode(format!("api:{key}"))
         );
-        let client = reqwest::blocking::Client::builder()
-            .timeout(Duration::from_secs(15))
-            .connect_timeout(Duration::from_secs(5))
-            .user_agent(concat!("kiln-track/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| e.to_string());
         if let Some(entity) = &s.entity {
             tracing::info!("W&B run: {}", s.run_url(entity, run_id));
         }
@@ -100,7 +94,9 @@ impl Streamer {
             config_json: cfg,
             offline_dir: offline_dir.to_path_buf(),
             auth,
-            client,
+            // built on the streaming thread: reqwest's blocking client must not be created or dropped inside
+            // an async runtime, which the caller might be running
+            client: Err("not started".into()),
             warned: false,
             start_offset,
         };
@@ -156,6 +152,12 @@ impl Drop for Streamer {
 }
 
 fn run(mut ctx: Ctx, shared: &(Mutex<State>, Condvar)) {
+    ctx.client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(15))
+        .connect_timeout(Duration::from_secs(5))
+        .user_agent(concat!("kiln-track/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| e.to_string());
     let (m, cv) = shared;
     let interval = ctx.settings.stream_interval;
     let finish_timeout = ctx.settings.finish_timeout;
