@@ -7,5 +7,7 @@
 
 pub mod answer;
 pub mod error;
+pub mod protocol;
+pub mod rollout;
 
 pub use error::Error;
