@@ -95,6 +95,32 @@ fn recall_on_real_corpus() {
 }
 
 #[test]
+fn term_at_a_time_matches_tantivy_block_wand() {
+    let s = shared();
+    for q in &s.qa {
+        let a = s.retriever.search_hits(&q.question, 10).unwrap();
+        let b = s.retriever.search_hits_wand(&q.question, 10).unwrap();
+        assert_eq!(a.len(), b.len(), "{}", q.question);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x.0 - y.0).abs() <= 1e-4 * y.0.abs().max(1.0),
+                "{}: rank {i}: {} vs {}",
+                q.question,
+                x.0,
+                y.0
+            );
+            // Same document unless tied with a neighbour.
+            if x.1 != y.1 {
+                let tied = b
+                    .iter()
+                    .any(|z| z.1 == x.1 && (z.0 - x.0).abs() <= 1e-4 * x.0.abs().max(1.0));
+                assert!(tied, "{}: rank {i}: {:?} vs {:?}", q.question, x, y);
+            }
+        }
+    }
+}
+
+#[test]
 fn remote_matches_in_process_and_handles_auth_and_outages() {
     let s = shared();
     let h = server(ServerConfig {
