@@ -8,6 +8,7 @@
 pub mod answer;
 pub mod error;
 pub mod protocol;
+pub mod refiner;
 pub mod rollout;
 
 pub use error::Error;
