@@ -21,7 +21,8 @@ pub struct LoggingConfig {
     /// streaming to the W&B server. Default: disabled unless `WANDB_MODE` says otherwise.
     pub wandb: WandbConfig,
     /// At the end of the run, draw PNG + SVG curves of the metrics into `<run dir>/plots/` and write
-    /// `<run dir>/report.md` (recipe summary, final metrics, plots). Default: true.
+    /// `<run dir>/report.md` (recipe summary, final metrics, plots), drawn from `metrics.jsonl` (so it needs
+    /// `jsonl`). `kiln report RUN_DIR` redraws them at any time. Default: true.
     pub plots: bool,
     /// Progress lines on the console (through `tracing` at INFO level).
     pub console: ConsoleConfig,

@@ -293,3 +293,86 @@ const _: () = {
     const fn assert_send<T: Send>() {}
     assert_send::<Tracker>();
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    struct Failing(Arc<Mutex<(usize, usize)>>);
+
+    impl Sink for Failing {
+        fn name(&self) -> &'static str {
+            "failing"
+        }
+        fn log(&mut self, _row: &Row<'_>) -> Result<(), TrackError> {
+            self.0.lock().unwrap().0 += 1;
+            Err(TrackError::Http("disk on fire".into()))
+        }
+        fn finish(&mut self, _end: &End) -> Result<(), TrackError> {
+            self.0.lock().unwrap().1 += 1;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failing_sink_is_warned_about_once_and_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let calls = Arc::new(Mutex::new((0, 0)));
+        let logs = Arc::new(Mutex::new(Vec::<u8>::new()));
+        #[derive(Clone)]
+        struct W(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for W {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let w = W(logs.clone());
+        let sub = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || w.clone())
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            let cfg = LoggingConfig {
+                plots: false,
+                ..LoggingConfig::default()
+            };
+            let mut t = Tracker::open(
+                &cfg,
+                RunInfo {
+                    run_dir: dir.path(),
+                    name: "t",
+                    config: &serde_json::Value::Null,
+                    resume_from_step: None,
+                },
+            )
+            .unwrap();
+            t.sinks.push(Slot {
+                sink: Box::new(Failing(calls.clone())),
+                failed: false,
+            });
+            for step in 1..=20 {
+                t.log(step, &BTreeMap::from([("x".to_string(), step as f64)]));
+            }
+            t.finish(0).unwrap();
+        });
+        assert_eq!(
+            *calls.lock().unwrap(),
+            (1, 0),
+            "called once, then skipped (not finished either)"
+        );
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        assert_eq!(text.matches("`failing` failed").count(), 1, "{text}");
+        // the healthy JSONL sink kept every row
+        assert_eq!(
+            read_metrics(&dir.path().join("metrics.jsonl"))
+                .unwrap()
+                .len(),
+            20
+        );
+    }
+}

@@ -539,7 +539,8 @@ fn server_down_at_start_warns_once_and_keeps_the_offline_file() {
 
 #[test]
 fn server_dying_mid_run_warns_once_and_keeps_the_offline_file() {
-    let server = FakeWandb::start_with(Some(3)); // UpsertBucket + 2 batches, then connection refused
+    // UpsertBucket + 1 batch, then connection refused: the final `complete` request can never arrive
+    let server = FakeWandb::start_with(Some(2));
     let dir = tempfile::tempdir().unwrap();
     let (spent, logs) = run_against(&server.base_url(), dir.path(), 80, 10, 0.5);
     assert!(
@@ -548,9 +549,11 @@ fn server_dying_mid_run_warns_once_and_keeps_the_offline_file() {
     );
     assert_eq!(count(&logs, "streaming to"), 1, "{logs}");
     assert_offline_complete(dir.path(), 80);
-    let lines = streamed_history(&server.received());
+    let reqs = server.received();
+    assert!(reqs.iter().all(|r| r.json().get("complete").is_none()));
+    let lines = streamed_history(&reqs);
     assert!(
-        !lines.is_empty() && lines.len() < 80,
+        !lines.is_empty() && lines.len() <= 80,
         "{} lines arrived",
         lines.len()
     );
