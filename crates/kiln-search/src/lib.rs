@@ -9,6 +9,7 @@ pub mod answer;
 pub mod error;
 pub mod protocol;
 pub mod refiner;
+pub mod reward;
 pub mod rollout;
 
 pub use error::Error;
