@@ -20,23 +20,36 @@ pub fn repo_root() -> PathBuf {
 }
 
 /// The Python interpreter with the test packages (`KILN_PYTHON`, default `<repo>/.venv/bin/python`). Fails the
-/// test with setup instructions when it or a module is missing.
+/// test with setup instructions when it or a module is missing, or when wandb is not the pinned 0.31.0.
+/// Checked once per test process and module set.
 pub fn python(modules: &[&str]) -> PathBuf {
+    static CHECKED: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let py = std::env::var_os("KILN_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
-    let check = format!("import {}", modules.join(", "));
-    let ok = Command::new(&py)
-        .args(["-c", &check])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
+    let mut check = format!("import {}", modules.join(", "));
+    if modules.contains(&"wandb") {
+        check.push_str("; assert wandb.__version__ == '0.31.0', 'wandb ' + wandb.__version__ + ' is not 0.31.0'");
+    }
+    let mut done = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    if done.contains(&check) {
+        return py;
+    }
+    let out = Command::new(&py).args(["-c", &check]).output();
+    let ok = out.as_ref().map(|o| o.status.success()).unwrap_or(false);
     assert!(
         ok,
-        "Python test dependencies missing ({}: `{check}` failed). Run `just setup-test` \
+        "Python test dependencies missing ({}: `{check}` failed: {}). Run `just setup-test` \
          (or `bash scripts/ci-deps/kiln-track.sh`) to install wandb==0.31.0 and tensorboard into .venv",
-        py.display()
+        py.display(),
+        out.map(|o| String::from_utf8_lossy(&o.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_string())
+            .unwrap_or_else(|e| e.to_string())
     );
+    done.push(check);
     py
 }
 
