@@ -225,3 +225,68 @@ fn tempfile_dir() -> Result<PathBuf, CliError> {
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     Ok(dir)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn args(corpus: PathBuf, out: PathBuf, strict: bool) -> IndexArgs {
+        IndexArgs {
+            corpus: vec![corpus],
+            out,
+            threads: 1,
+            heap_mb: 15,
+            strict,
+            no_merge: false,
+        }
+    }
+
+    #[test]
+    fn index_command_on_gzipped_search_r1_corpus() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = dir.path().join("wiki.jsonl.gz");
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&corpus).unwrap(),
+            flate2::Compression::default(),
+        );
+        for i in 0..50 {
+            writeln!(
+                gz,
+                r#"{{"id": "{i}", "contents": "\"Topic {i}\"\nPassage number {i} about subject{i}."}}"#
+            )
+            .unwrap();
+        }
+        writeln!(gz, "{{\"id\": \"x\"").unwrap();
+        gz.finish().unwrap();
+        let out = dir.path().join("index");
+        run_index(args(corpus.clone(), out.clone(), false)).unwrap();
+        // Idempotent: a second run replaces the first.
+        run_index(args(corpus.clone(), out.clone(), false)).unwrap();
+        let r = IndexRetriever::open(&out).unwrap();
+        assert_eq!(r.num_docs(), 50);
+        let hit = &r.search("subject7", 1).unwrap()[0];
+        assert_eq!((hit.id.as_str(), hit.title.as_str()), ("7", "Topic 7"));
+        let e = run_index(args(corpus, dir.path().join("strict"), true)).unwrap_err();
+        assert!(e.to_string().contains("wiki.jsonl.gz:51:"), "{e}");
+        let e = run_index(args(dir.path().join("missing.jsonl"), out, false)).unwrap_err();
+        assert!(e.to_string().contains("missing.jsonl"), "{e}");
+    }
+
+    #[test]
+    fn serve_rejects_bad_host() {
+        let e = run_serve(ServeArgs {
+            index: PathBuf::from("/nonexistent"),
+            host: "not-an-ip".into(),
+            port: 0,
+            token: None,
+            default_topk: 3,
+            max_topk: 100,
+            max_queries: 10,
+            max_query_bytes: 100,
+            max_body_bytes: 1000,
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("--host"), "{e}");
+    }
+}
