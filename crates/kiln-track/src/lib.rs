@@ -248,13 +248,14 @@ impl Tracker {
     /// `plots` is enabled). Returns the first error of a sink; a plot error is only warned about.
     pub fn finish(mut self, exit_code: i32) -> Result<(), TrackError> {
         let res = self.close(exit_code);
-        if self.plots
-            && let Err(e) = report::write_report(&self.run_dir)
-        {
-            tracing::warn!(
-                "could not write plots/report for {}: {e}",
-                self.run_dir.display()
-            );
+        if self.plots {
+            match report::write_report(&self.run_dir) {
+                Ok(r) => tracing::info!("report: {} ({} plots)", r.report.display(), r.plots.len()),
+                Err(e) => tracing::warn!(
+                    "could not write plots/report for {}: {e}",
+                    self.run_dir.display()
+                ),
+            }
         }
         res
     }
