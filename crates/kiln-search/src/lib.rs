@@ -12,5 +12,6 @@ pub mod protocol;
 pub mod refiner;
 pub mod reward;
 pub mod rollout;
+pub mod synthetic;
 
 pub use error::Error;
