@@ -1,0 +1,696 @@
+//! The generic on-policy loop: rollout -> rewards -> advantages -> `ppo_epochs` x minibatches of the
+//! loss -> optimiser step -> metrics -> checkpoint. It reads top to bottom in [`Trainer::train_step`].
+//!
+//! The seam (ARCHITECTURE.md): a task provides a rollout function producing per-action batches with
+//! rewards, grouped by prompt, and a differentiable re-scoring of the same actions under given
+//! parameters. The trainer knows nothing else about the task.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor, TensorData};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+use crate::advantage::{batch_advantages, batch_reward_to_go_advantages};
+use crate::checkpoint::{CheckpointManager, MODEL_FILE, OPTIM_FILE, RngState, TrainerState};
+use crate::loss::{LossConfig, LossInputs, LossStats, policy_loss};
+use crate::optim::{OptimConfig, clip_grad_norm};
+
+/// Loop hyper-parameters (recipe section `trainer:`).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct TrainerConfig {
+    /// Number of training steps (one rollout batch + its updates each).
+    pub steps: u64,
+    /// Passes over each rollout batch (PPO epochs). 1 = strictly on-policy GRPO.
+    pub ppo_epochs: usize,
+    /// Trajectories per optimiser step; 0 = the whole rollout batch in one step.
+    pub mini_batch_size: usize,
+    /// Shuffle trajectories between minibatches (with the seeded trainer RNG).
+    pub shuffle: bool,
+    /// Save a checkpoint every N steps (0 = only at the end). The final step is always saved.
+    pub checkpoint_every: u64,
+    /// Keep the newest K checkpoints.
+    pub keep_checkpoints: usize,
+    /// Evaluate every N steps (0 = only at the end).
+    pub eval_every: u64,
+    /// Abort after this many consecutive non-finite updates (each one is skipped and logged).
+    pub max_nonfinite_updates: u32,
+    /// Also print a trainer log line every N steps (0 = never; the `kiln` CLI leaves progress lines
+    /// to `logging.console`).
+    pub log_every: u64,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            ppo_epochs: 1,
+            mini_batch_size: 0,
+            shuffle: true,
+            checkpoint_every: 50,
+            keep_checkpoints: 2,
+            eval_every: 0,
+            max_nonfinite_updates: 5,
+            log_every: 0,
+        }
+    }
+}
+
+/// One rollout batch produced by a task.
+pub struct Rollout<D> {
+    /// Task data needed to re-score the actions (token ids, states, ...).
+    pub data: D,
+    /// Trajectories per prompt; trajectories `g*G .. (g+1)*G` share a prompt.
+    pub group_size: usize,
+    /// Outcome reward of each trajectory.
+    pub rewards: Vec<f64>,
+    /// Dense per-action rewards (only needed for `reward_to_go`).
+    pub step_rewards: Option<Vec<Vec<f64>>>,
+    /// Padded number of actions per trajectory (`T`).
+    pub max_actions: usize,
+    /// Action mask, `n * T` row-major: 1.0 for policy actions, 0.0 for padding / observations.
+    pub action_mask: Vec<f32>,
+    /// Task metrics for this batch (reward components, lengths, ...).
+    pub metrics: BTreeMap<String, f64>,
+}
+
+impl<D> Rollout<D> {
+    /// Number of trajectories.
+    pub fn len(&self) -> usize {
+        self.rewards.len()
+    }
+
+    /// True when the batch holds no trajectory.
+    pub fn is_empty(&self) -> bool {
+        self.rewards.is_empty()
+    }
+
+    fn validate(&self) -> Result<(), TrainError> {
+        let n = self.len();
+        let bad = |m: String| Err(TrainError::InvalidRollout(m));
+        if n == 0 {
+            return bad("the task produced an empty rollout batch".into());
+        }
+        if self.group_size == 0 || n % self.group_size != 0 {
+            return bad(format!(
+                "{n} trajectories are not a whole number of groups of {}",
+                self.group_size
+            ));
+        }
+        if self.action_mask.len() != n * self.max_actions {
+            return bad(format!(
+                "action mask has {} entries, expected {n} x {}",
+                self.action_mask.len(),
+                self.max_actions
+            ));
+        }
+        if let Some(sr) = &self.step_rewards {
+            if sr.len() != n {
+                return bad(format!(
+                    "{} step-reward rows for {n} trajectories",
+                    sr.len()
+                ));
+            }
+            if sr.iter().any(|r| r.len() > self.max_actions) {
+                return bad("a step-reward row is longer than max_actions".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Output of a task's re-scoring pass.
+pub struct Scored {
+    /// Log-probabilities of the recorded actions, `[b, T]` (padding entries are ignored).
+    pub logp: Tensor<2>,
+    /// Per-action entropy `[b, T]`, if the task computes it.
+    pub entropy: Option<Tensor<2>>,
+}
+
+/// A task error, boxed so tasks keep their own error types.
+pub type TaskError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a task provides to the trainer.
+pub trait RlTask {
+    /// The trainable policy (a burn module).
+    type Policy: Module;
+    /// Rollout data the task needs to re-score actions.
+    type Data;
+
+    /// Generate a batch of grouped trajectories with `policy` (a no-grad snapshot of the current
+    /// parameters). All randomness must come from `rng` or from state saved by [`RlTask::state`].
+    fn rollout(
+        &mut self,
+        policy: &Self::Policy,
+        step: u64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Rollout<Self::Data>, TaskError>;
+
+    /// Log-probabilities `[indices.len(), T]` of the recorded actions of the trajectories `indices`
+    /// under `policy`; differentiable when `policy` lives on an autodiff device.
+    fn score(&self, policy: &Self::Policy, data: &Self::Data, indices: &[usize]) -> Scored;
+
+    /// Held-out evaluation; metric names should start with `eval/`.
+    fn evaluate(
+        &mut self,
+        _policy: &Self::Policy,
+        _step: u64,
+    ) -> Result<BTreeMap<String, f64>, TaskError> {
+        Ok(BTreeMap::new())
+    }
+
+    /// Serializable task state (data cursor, task RNGs) for checkpoints.
+    fn state(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+
+    /// Restore [`RlTask::state`].
+    fn load_state(&mut self, _state: &serde_json::Value) -> Result<(), TaskError> {
+        Ok(())
+    }
+}
+
+/// Receives one metrics row per step (kiln-track's tracker implements this in the CLI).
+pub trait MetricsSink {
+    /// Log the metrics of training step `step`.
+    fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>);
+}
+
+/// A sink that drops everything (tests, benchmarks).
+pub struct NullSink;
+
+impl MetricsSink for NullSink {
+    fn log(&mut self, _step: u64, _metrics: &BTreeMap<String, f64>) {}
+}
+
+/// Everything the trainer needs besides the task and the model.
+pub struct TrainerOptions {
+    /// Loop settings.
+    pub trainer: TrainerConfig,
+    /// Advantage and loss settings.
+    pub algorithm: LossConfig,
+    /// Optimiser settings.
+    pub optim: OptimConfig,
+    /// Run directory (checkpoints go to `run_dir/checkpoints`).
+    pub run_dir: PathBuf,
+    /// Seed of the trainer RNG.
+    pub seed: u64,
+    /// Progress bar to drive (position = step, message = reward); `None` draws nothing.
+    pub progress: Option<indicatif::ProgressBar>,
+}
+
+/// Final figures of a run.
+#[derive(Debug, Clone, Default)]
+pub struct TrainSummary {
+    /// Steps completed (including steps from before a resume).
+    pub steps: u64,
+    /// Metrics of the last step.
+    pub last: BTreeMap<String, f64>,
+    /// Metrics of the last evaluation.
+    pub eval: BTreeMap<String, f64>,
+    /// Wall time of this process's training, seconds.
+    pub wall_s: f64,
+}
+
+/// The on-policy trainer.
+pub struct Trainer<T: RlTask> {
+    task: T,
+    model: T::Policy,
+    reference: Option<T::Policy>,
+    optim: ModuleOptimizer,
+    opts: TrainerOptions,
+    device: Device,
+    rng: ChaCha8Rng,
+    step: u64,
+    nonfinite_streak: u32,
+    ckpt: CheckpointManager,
+    sink: Box<dyn MetricsSink>,
+}
+
+fn to_host(t: Tensor<2>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 tensor data")
+}
+
+struct FiniteCheck(bool);
+
+impl ModuleVisitor for FiniteCheck {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.0 {
+            let v = param.val().abs().max().into_scalar::<f32>();
+            self.0 = v.is_finite();
+        }
+    }
+}
+
+/// True when every float parameter of `module` is finite.
+pub fn params_finite<M: Module>(module: &M) -> bool {
+    let mut c = FiniteCheck(true);
+    module.visit(&mut c);
+    c.0
+}
+
+impl<T: RlTask> Trainer<T> {
+    /// A trainer for `model`, which must live on an autodiff device (`device`).
+    pub fn new(
+        task: T,
+        model: T::Policy,
+        device: Device,
+        opts: TrainerOptions,
+        sink: Box<dyn MetricsSink>,
+    ) -> Self {
+        let reference = (opts.algorithm.kl_beta != 0.0).then(|| model.valid());
+        let optim = opts.optim.build();
+        let ckpt = CheckpointManager::new(&opts.run_dir, opts.trainer.keep_checkpoints);
+        let rng = ChaCha8Rng::seed_from_u64(opts.seed);
+        Self {
+            task,
+            model,
+            reference,
+            optim,
+            opts,
+            device,
+            rng,
+            step: 0,
+            nonfinite_streak: 0,
+            ckpt,
+            sink,
+        }
+    }
+
+    /// Completed steps.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The current model.
+    pub fn model(&self) -> &T::Policy {
+        &self.model
+    }
+
+    /// The task.
+    pub fn task(&self) -> &T {
+        &self.task
+    }
+
+    fn reference_path(&self) -> PathBuf {
+        self.ckpt.dir().join("reference.bpk")
+    }
+
+    /// Save the frozen reference policy once (so a resumed run keeps the original reference).
+    fn save_reference(&self) -> Result<(), TrainError> {
+        let Some(r) = &self.reference else {
+            return Ok(());
+        };
+        let path = self.reference_path();
+        if path.exists() {
+            return Ok(());
+        }
+        std::fs::create_dir_all(self.ckpt.dir())
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", self.ckpt.dir().display())))?;
+        let tmp = self.ckpt.dir().join(".tmp-reference.bpk");
+        r.clone()
+            .save_file(&tmp)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+        std::fs::rename(&tmp, &path)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+        Ok(())
+    }
+
+    /// Restore the newest complete checkpoint of the run directory. Returns the restored step, or
+    /// `None` when the run has no checkpoint yet.
+    pub fn resume(&mut self) -> Result<Option<u64>, TrainError> {
+        let Some((step, dir)) = self.ckpt.latest() else {
+            return Ok(None);
+        };
+        let state = CheckpointManager::read_state(&dir)?;
+        let model_path = dir.join(MODEL_FILE);
+        self.model = self
+            .model
+            .clone()
+            .try_load_file(&model_path)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", model_path.display())))?;
+        let optim_path = dir.join(OPTIM_FILE);
+        let fresh = self.opts.optim.build();
+        self.optim = fresh
+            .load(&optim_path)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", optim_path.display())))?;
+        if self.reference.is_some() && self.reference_path().exists() {
+            let p = self.reference_path();
+            let r = self
+                .model
+                .valid()
+                .try_load_file(&p)
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", p.display())))?;
+            self.reference = Some(r);
+        }
+        self.rng = state.rng.restore().map_err(TrainError::Checkpoint)?;
+        self.task
+            .load_state(&state.task)
+            .map_err(|e| TrainError::Task(format!("restoring task state: {e}")))?;
+        self.step = state.step;
+        self.nonfinite_streak = state.nonfinite_streak;
+        debug_assert_eq!(step, state.step);
+        Ok(Some(step))
+    }
+
+    /// Write a checkpoint of the current state (refuses to write non-finite parameters).
+    pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        if !params_finite(&self.model) {
+            return Err(TrainError::NonFinite(format!(
+                "refusing to write a checkpoint at step {}: the model has non-finite parameters",
+                self.step
+            )));
+        }
+        let state = TrainerState {
+            step: self.step,
+            rng: RngState::capture(&self.rng),
+            task: self.task.state(),
+            nonfinite_streak: self.nonfinite_streak,
+            kiln_version: env!("CARGO_PKG_VERSION").to_string(),
+        };
+        let model = self.model.clone();
+        let optim = &self.optim;
+        self.ckpt.save(&state, |dir| {
+            let mp = dir.join(MODEL_FILE);
+            model
+                .save_file(&mp)
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", mp.display())))?;
+            let op = dir.join(OPTIM_FILE);
+            optim
+                .save(&op)
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", op.display())))?;
+            Ok(())
+        })
+    }
+
+    fn tensor(&self, data: Vec<f32>, b: usize, t: usize) -> Tensor<2> {
+        Tensor::from_data(TensorData::new(data, [b, t]), &self.device)
+    }
+
+    fn gather_rows(src: &[f32], t: usize, idx: &[usize]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(idx.len() * t);
+        for &i in idx {
+            out.extend_from_slice(&src[i * t..(i + 1) * t]);
+        }
+        out
+    }
+
+    /// Log-probs of all trajectories under a no-grad policy, in chunks, as host `n * T`.
+    fn score_all(
+        &self,
+        policy: &T::Policy,
+        data: &T::Data,
+        n: usize,
+        t: usize,
+        chunk: usize,
+    ) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n * t);
+        let idx: Vec<usize> = (0..n).collect();
+        for c in idx.chunks(chunk.max(1)) {
+            let s = self.task.score(policy, data, c);
+            let v = to_host(s.logp.detach());
+            debug_assert_eq!(v.len(), c.len() * t);
+            out.extend(v);
+        }
+        out
+    }
+
+    /// One training step; returns its metrics row.
+    pub fn train_step(&mut self) -> Result<BTreeMap<String, f64>, TrainError> {
+        let t_step = Instant::now();
+        let total = self.opts.trainer.steps;
+        let lr = self.opts.optim.lr_at(self.step, total);
+        let mut m: BTreeMap<String, f64> = BTreeMap::new();
+
+        // 1. Rollout with a no-grad snapshot of the current parameters.
+        let t0 = Instant::now();
+        let snapshot = self.model.valid();
+        let rollout = self
+            .task
+            .rollout(&snapshot, self.step, &mut self.rng)
+            .map_err(|e| TrainError::Task(format!("rollout at step {}: {e}", self.step)))?;
+        rollout.validate()?;
+        let t_rollout = t0.elapsed().as_secs_f64();
+        let n = rollout.len();
+        let t = rollout.max_actions;
+        let mb = match self.opts.trainer.mini_batch_size {
+            0 => n,
+            k => k.min(n),
+        };
+
+        // 2. Advantages from rewards (group baseline).
+        let alg = self.opts.algorithm.clone();
+        let alg = &alg;
+        let adv: Vec<f32> = match (&rollout.step_rewards, alg.reward_to_go) {
+            (Some(sr), true) => {
+                let a = batch_reward_to_go_advantages(sr, rollout.group_size, alg.advantage);
+                let mut out = vec![0f32; n * t];
+                for (i, row) in a.iter().enumerate() {
+                    for (j, v) in row.iter().enumerate() {
+                        out[i * t + j] = *v as f32;
+                    }
+                }
+                out
+            }
+            _ => {
+                let a = batch_advantages(&rollout.rewards, rollout.group_size, alg.advantage);
+                a.iter()
+                    .flat_map(|&x| std::iter::repeat_n(x as f32, t))
+                    .collect()
+            }
+        };
+
+        // 3. Old and reference log-probs, once per rollout batch.
+        let t1 = Instant::now();
+        let old_logp = self.score_all(&snapshot, &rollout.data, n, t, mb);
+        let ref_logp = match &self.reference {
+            Some(r) => Some(self.score_all(r, &rollout.data, n, t, mb)),
+            None => None,
+        };
+        drop(snapshot);
+        let t_score = t1.elapsed().as_secs_f64();
+
+        // 4. PPO epochs x minibatches.
+        let t2 = Instant::now();
+        let mut order: Vec<usize> = (0..n).collect();
+        let mut stats_acc: Vec<LossStats> = Vec::new();
+        let mut grad_norms = Vec::new();
+        let mut skipped = 0u32;
+        for _epoch in 0..self.opts.trainer.ppo_epochs.max(1) {
+            if self.opts.trainer.shuffle {
+                order.shuffle(&mut self.rng);
+            }
+            for idx in order.chunks(mb) {
+                let b = idx.len();
+                let scored = self.task.score(&self.model, &rollout.data, idx);
+                let inputs = LossInputs {
+                    logp: scored.logp,
+                    old_logp: self.tensor(Self::gather_rows(&old_logp, t, idx), b, t),
+                    ref_logp: ref_logp
+                        .as_ref()
+                        .map(|r| self.tensor(Self::gather_rows(r, t, idx), b, t)),
+                    advantages: self.tensor(Self::gather_rows(&adv, t, idx), b, t),
+                    mask: self.tensor(Self::gather_rows(&rollout.action_mask, t, idx), b, t),
+                    entropy: scored.entropy,
+                };
+                let out = policy_loss(inputs, alg);
+                let loss_v = out.loss.clone().into_scalar::<f32>() as f64;
+                if !loss_v.is_finite() {
+                    skipped += 1;
+                    self.note_nonfinite(&format!("loss = {loss_v}"))?;
+                    continue;
+                }
+                let grads = out.loss.backward();
+                let mut gp = GradientsParams::from_grads(grads, &self.model);
+                let norm = clip_grad_norm(&self.model, &mut gp, self.opts.optim.max_grad_norm);
+                if !norm.is_finite() {
+                    skipped += 1;
+                    self.note_nonfinite(&format!("gradient norm = {norm}"))?;
+                    continue;
+                }
+                self.nonfinite_streak = 0;
+                self.model = self.optim.step(lr, self.model.clone(), gp);
+                grad_norms.push(norm);
+                stats_acc.push(out.stats);
+            }
+        }
+        let t_update = t2.elapsed().as_secs_f64();
+
+        // 5. Metrics.
+        let rewards = &rollout.rewards;
+        let (rm, rs) = mean_std(rewards);
+        m.insert("reward/mean".into(), rm);
+        m.insert("reward/std".into(), rs);
+        m.insert(
+            "reward/max".into(),
+            rewards.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        );
+        m.insert(
+            "reward/min".into(),
+            rewards.iter().cloned().fold(f64::INFINITY, f64::min),
+        );
+        let masked_adv: Vec<f64> = adv
+            .iter()
+            .zip(&rollout.action_mask)
+            .filter(|(_, mk)| **mk > 0.0)
+            .map(|(a, _)| *a as f64)
+            .collect();
+        let (am, asd) = mean_std(&masked_adv);
+        m.insert("adv/mean".into(), am);
+        m.insert("adv/std".into(), asd);
+        let lens: Vec<f64> = rollout
+            .action_mask
+            .chunks(t.max(1))
+            .map(|r| r.iter().map(|x| *x as f64).sum())
+            .collect();
+        let n_actions: f64 = lens.iter().sum();
+        m.insert("response_len/mean".into(), mean_std(&lens).0);
+        m.insert(
+            "response_len/max".into(),
+            lens.iter().cloned().fold(0.0, f64::max),
+        );
+        let k = stats_acc.len().max(1) as f64;
+        let avg = |f: fn(&LossStats) -> f64| stats_acc.iter().map(f).sum::<f64>() / k;
+        m.insert("loss/policy".into(), avg(|s| s.policy_loss));
+        m.insert("kl/ref".into(), avg(|s| s.kl_ref));
+        m.insert("kl/approx".into(), avg(|s| s.approx_kl));
+        m.insert("clip_frac".into(), avg(|s| s.clip_frac));
+        let ent = avg(|s| s.entropy);
+        if ent.is_finite() {
+            m.insert("entropy".into(), ent);
+        }
+        m.insert(
+            "grad_norm".into(),
+            grad_norms.iter().sum::<f64>() / grad_norms.len().max(1) as f64,
+        );
+        m.insert("lr".into(), lr);
+        m.insert("nonfinite_skips".into(), skipped as f64);
+        m.insert("updates".into(), stats_acc.len() as f64);
+        let wall = t_step.elapsed().as_secs_f64();
+        m.insert("time/rollout_s".into(), t_rollout);
+        m.insert("time/score_s".into(), t_score);
+        m.insert("time/update_s".into(), t_update);
+        m.insert("time/step_s".into(), wall);
+        m.insert(
+            "throughput/actions_per_s".into(),
+            n_actions / wall.max(1e-9),
+        );
+        for (key, v) in rollout.metrics {
+            m.insert(key, v);
+        }
+        self.step += 1;
+        Ok(m)
+    }
+
+    fn note_nonfinite(&mut self, what: &str) -> Result<(), TrainError> {
+        self.nonfinite_streak += 1;
+        tracing::warn!(
+            "step {}: non-finite {what}; update skipped ({} in a row)",
+            self.step,
+            self.nonfinite_streak
+        );
+        if self.nonfinite_streak >= self.opts.trainer.max_nonfinite_updates.max(1) {
+            return Err(TrainError::NonFinite(format!(
+                "{} consecutive non-finite updates (last: {what}) at step {}; aborting without \
+                 writing a checkpoint. Lower optim.lr, enable optim.max_grad_norm, or check the \
+                 task's rewards for NaN/inf",
+                self.nonfinite_streak, self.step
+            )));
+        }
+        Ok(())
+    }
+
+    /// Run evaluation now (no-grad snapshot).
+    pub fn evaluate(&mut self) -> Result<BTreeMap<String, f64>, TrainError> {
+        let snap = self.model.valid();
+        self.task
+            .evaluate(&snap, self.step)
+            .map_err(|e| TrainError::Task(format!("evaluation at step {}: {e}", self.step)))
+    }
+
+    /// Train until `trainer.steps`, logging, evaluating and checkpointing on the way.
+    pub fn run(&mut self) -> Result<TrainSummary, TrainError> {
+        let started = Instant::now();
+        let cfg = self.opts.trainer.clone();
+        self.save_reference()?;
+        let pb = self
+            .opts
+            .progress
+            .clone()
+            .unwrap_or_else(indicatif::ProgressBar::hidden);
+        pb.set_length(cfg.steps);
+        pb.set_position(self.step);
+        let mut summary = TrainSummary::default();
+        let start_step = self.step;
+        while self.step < cfg.steps {
+            let mut m = self.train_step()?;
+            let step = self.step;
+            let last = step == cfg.steps;
+            if (cfg.eval_every > 0 && step % cfg.eval_every == 0) || last {
+                let ev = self.evaluate()?;
+                for (k, v) in &ev {
+                    m.insert(k.clone(), *v);
+                }
+                if !ev.is_empty() {
+                    summary.eval = ev;
+                }
+            }
+            self.sink.log(step, &m);
+            let reward = m.get("reward/mean").copied().unwrap_or(f64::NAN);
+            pb.set_message(format!("reward {reward:.3}"));
+            pb.set_position(step);
+            if cfg.log_every > 0 && (step % cfg.log_every == 0 || last || step == start_step + 1) {
+                let done = (step - start_step) as f64;
+                let eta = started.elapsed().as_secs_f64() / done * (cfg.steps - step) as f64;
+                let extra: String = m
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("eval/"))
+                    .map(|(k, v)| format!(" {k} {v:.4}"))
+                    .collect();
+                pb.suspend(|| {
+                    tracing::info!(
+                        "step {step}/{} reward {reward:.4} kl {:.5} clip {:.3} grad_norm {:.3} \
+                         {:.2}s/step ETA {:.0}s{extra}",
+                        cfg.steps,
+                        m.get("kl/ref").copied().unwrap_or(0.0),
+                        m.get("clip_frac").copied().unwrap_or(0.0),
+                        m.get("grad_norm").copied().unwrap_or(0.0),
+                        m.get("time/step_s").copied().unwrap_or(0.0),
+                        eta
+                    )
+                });
+            }
+            if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) || last {
+                self.save_checkpoint()?;
+            }
+            summary.last = m;
+        }
+        pb.finish_and_clear();
+        summary.steps = self.step;
+        summary.wall_s = started.elapsed().as_secs_f64();
+        Ok(summary)
+    }
+}
+
+/// Mean and (population) standard deviation; NaN-propagating.
+pub fn mean_std(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
