@@ -3,3 +3,8 @@
 //! Knows nothing of RL.
 
 pub mod cli;
+pub mod config;
+pub mod model;
+
+pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
+pub use model::{KvCache, Transformer, positions_from_mask};
