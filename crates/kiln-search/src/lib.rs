@@ -8,6 +8,7 @@
 pub mod answer;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod protocol;
 pub mod refiner;
 pub mod reward;

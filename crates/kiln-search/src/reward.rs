@@ -1,7 +1,8 @@
 //! Rewards: outcome exact match and F1, the process reward, and `R = EM * (1 + r_process)`.
 //!
 //! - Outcome: the LAST `<answer>` span of the response ([`crate::answer::extract_answer`]) against any gold alias
-//!   after normalisation; no answer scores 0.
+//!   after normalisation; no answer scores 0. For a trajectory only policy segments are searched
+//!   ([`trajectory_answer`]): the invalid-action observation itself mentions `<answer> and </answer>`.
 //! - Process: `r_process = (1/M) * sum_i u_i` over the M searches of the trajectory (M = 0 gives 0). `u_i` comes
 //!   from a [`ProcessJudge`]. The built-in [`DeterministicJudge`] sets `u_i = 1` iff search i returned at least
 //!   one passage that is *helpful* and *new*:
@@ -50,6 +51,33 @@ pub struct Outcome {
 /// EM and F1 of the last `<answer>` span of `response` against any alias.
 pub fn outcome<S: AsRef<str>>(response: &str, golds: &[S]) -> Outcome {
     match extract_answer(response) {
+        None => Outcome {
+            answer: None,
+            em: 0.0,
+            f1: 0.0,
+        },
+        Some(a) => Outcome {
+            answer: Some(a.to_string()),
+            em: em_any(a, golds),
+            f1: f1_any(a, golds),
+        },
+    }
+}
+
+/// The answer of a trajectory: the last `<answer>` span of its policy segments. Observations are skipped, so
+/// the `<answer> and </answer>` of the invalid-action message or a tag inside a retrieved passage never counts
+/// as the policy's answer.
+pub fn trajectory_answer(trajectory: &Trajectory) -> Option<&str> {
+    trajectory
+        .steps
+        .iter()
+        .rev()
+        .find_map(|s| extract_answer(&s.policy.text))
+}
+
+/// EM and F1 of a trajectory's answer ([`trajectory_answer`]) against any alias.
+pub fn trajectory_outcome<S: AsRef<str>>(trajectory: &Trajectory, golds: &[S]) -> Outcome {
+    match trajectory_answer(trajectory) {
         None => Outcome {
             answer: None,
             em: 0.0,
@@ -262,7 +290,7 @@ pub fn score(
     config: &RewardConfig,
     judge: &mut dyn ProcessJudge,
 ) -> Result<RewardBreakdown, Error> {
-    let o = outcome(&trajectory.response_text(), &gold.answers);
+    let o = trajectory_outcome(trajectory, &gold.answers);
     let searches = trajectory.searches();
     let m = searches.len();
     let useful = if m == 0 {
@@ -470,6 +498,39 @@ mod tests {
             score(&t6, "q", &gold(), &cfg, &mut j).unwrap().useful,
             [1.0, 0.0]
         );
+    }
+
+    #[test]
+    fn observations_never_provide_the_answer() {
+        let mut t = Trajectory::new("P");
+        t.steps.push(Step {
+            policy: Segment::policy("no action"),
+            action: Action::Invalid,
+            search: None,
+            observation: Some(Segment::observation(
+                crate::protocol::INVALID_ACTION_OBSERVATION,
+            )),
+        });
+        assert_eq!(extract_answer(&t.response_text()), Some("and"));
+        assert_eq!(trajectory_answer(&t), None);
+        let r = score(
+            &t,
+            "q",
+            &gold(),
+            &RewardConfig::default(),
+            &mut DeterministicJudge::default(),
+        )
+        .unwrap();
+        assert_eq!((r.answer, r.em), (None, 0.0));
+        // A span in an earlier policy turn still counts when the last turn has none.
+        let mut t2 = traj(vec![], Some("Velno"));
+        t2.steps.push(Step {
+            policy: Segment::policy("trailing"),
+            action: Action::Invalid,
+            search: None,
+            observation: None,
+        });
+        assert_eq!(trajectory_answer(&t2), Some("Velno"));
     }
 
     struct BadJudge(Vec<f64>);
