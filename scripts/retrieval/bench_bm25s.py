@@ -5,6 +5,7 @@ Same preprocessing as kiln's `kiln_en` analyzer as far as bm25s allows: Lucene's
 (bm25s `stopwords="en"`), Snowball English stemmer (PyStemmer), lower-casing; BM25 with k1=1.2, b=0.75 (tantivy's
 fixed values); one field = title + "\\n" + text; duplicate ids dropped (first kept) as `kiln index` does.
 
+bm25s's default (numpy) retrieval backend is used unless --backend numba.
 Reports index build time (tokenize + index), single-thread QPS (bm25s's batch API with n_threads=1, query
 tokenization included, top k), all-threads QPS (n_threads=-1) and recall@3/@10 of the supporting passages
 (mean fraction per question, as kiln computes it). Writes JSON with --out for `kiln bench-retriever --peer`.
@@ -75,6 +76,12 @@ def main():
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--backend",
+        default="numpy",
+        choices=["numpy", "numba"],
+        help="bm25s retrieval backend (numpy is bm25s's default; numba needs the numba package)",
+    )
     args = ap.parse_args()
 
     stemmer = Stemmer.Stemmer("english")
@@ -84,7 +91,7 @@ def main():
 
     t0 = time.perf_counter()
     corpus_tokens = bm25s.tokenize(texts, stopwords="en", stemmer=stemmer, show_progress=False)
-    retriever = bm25s.BM25(k1=1.2, b=0.75)
+    retriever = bm25s.BM25(k1=1.2, b=0.75, backend=args.backend)
     retriever.index(corpus_tokens, show_progress=False)
     index_seconds = time.perf_counter() - t0
 
@@ -106,7 +113,7 @@ def main():
 
     retrieved = [[ids[j] for j in row] for row in docs.tolist()]
     report = {
-        "name": f"bm25s {bm25s.__version__}",
+        "name": f"bm25s {bm25s.__version__}" + ("" if args.backend == "numpy" else f" ({args.backend})"),
         "num_docs": len(ids),
         "questions": len(questions),
         "index_seconds": index_seconds,

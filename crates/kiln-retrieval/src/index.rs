@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use tantivy::collector::TopDocs;
-use tantivy::query::{Bm25Weight, BooleanQuery, Occur, Query, TermQuery};
+use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
 use tantivy::schema::{
     Field, IndexRecordOption, STORED, STRING, Schema, TextFieldIndexing, TextOptions, Value,
 };
@@ -403,7 +403,8 @@ pub struct IndexRetriever {
     num_docs: u64,
     /// BM25 statistics of the `body` field, fixed for a read-only index (as tantivy computes them).
     total_docs: u64,
-    avg_fieldnorm: f32,
+    /// Per segment: BM25 length normalisation of every document (empty for segments over [`TAAT_MAX_DOCS`]).
+    seg_norms: Vec<Vec<f32>>,
     stats: Option<BuildStats>,
 }
 
@@ -437,6 +438,17 @@ impl IndexRetriever {
         let total_tokens =
             tantivy::query::Bm25StatisticsProvider::total_num_tokens(&searcher, fields.body)?;
         let avg_fieldnorm = total_tokens as f32 / total_docs.max(1) as f32;
+        let seg_norms = searcher
+            .segment_readers()
+            .iter()
+            .map(|seg| {
+                if seg.max_doc() as usize <= TAAT_MAX_DOCS {
+                    segment_norms(seg, fields.body, avg_fieldnorm)
+                } else {
+                    Ok(Vec::new())
+                }
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
         Ok(IndexRetriever {
             _index: index,
             _reader: reader,
@@ -445,7 +457,7 @@ impl IndexRetriever {
             analyzer: analyzer(),
             num_docs,
             total_docs,
-            avg_fieldnorm,
+            seg_norms,
             stats,
         })
     }
@@ -463,19 +475,22 @@ impl IndexRetriever {
     /// The distinct analyzed terms of a query (after the length caps), in order of first occurrence.
     pub fn query_terms(&self, query: &str) -> Vec<String> {
         let query = truncate_str(query, MAX_QUERY_BYTES);
-        let mut analyzer = self.analyzer.clone();
-        let mut stream = analyzer.token_stream(query);
-        let mut terms: Vec<String> = Vec::new();
-        while stream.advance() {
-            let t = &stream.token().text;
-            if !terms.iter().any(|x| x == t) {
-                terms.push(t.clone());
-                if terms.len() >= MAX_QUERY_TERMS {
-                    break;
+        ANALYZER.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            let analyzer = slot.get_or_insert_with(|| self.analyzer.clone());
+            let mut stream = analyzer.token_stream(query);
+            let mut terms: Vec<String> = Vec::new();
+            while stream.advance() {
+                let t = &stream.token().text;
+                if !terms.iter().any(|x| x == t) {
+                    terms.push(t.clone());
+                    if terms.len() >= MAX_QUERY_TERMS {
+                        break;
+                    }
                 }
             }
-        }
-        terms
+            terms
+        })
     }
 
     /// Top-`k` hits of a query as (score, address), best first (ties: lower address first), without loading the
@@ -562,15 +577,13 @@ impl IndexRetriever {
             inverted.push(inv);
             infos.push(seg_infos);
         }
-        let weights: Vec<Bm25Weight> = doc_freq
+        let weights: Vec<f32> = doc_freq
             .iter()
-            .map(|&df| {
-                Bm25Weight::for_one_term_without_explain(df, self.total_docs, self.avg_fieldnorm)
-            })
+            .map(|&df| bm25_idf(df, self.total_docs) * (1.0 + BM25_K1))
             .collect();
         let mut best: Vec<(f32, DocAddress)> = Vec::with_capacity(4 * k);
         for (seg_ord, seg) in segments.iter().enumerate() {
-            let norms = seg.get_fieldnorms_reader(self.fields.body)?;
+            let norms = &self.seg_norms[seg_ord];
             let alive = seg.alive_bitset();
             let max_doc = seg.max_doc() as usize;
             TAAT_SCRATCH.with(|cell| -> Result<(), Error> {
@@ -582,7 +595,7 @@ impl IndexRetriever {
                 touched.clear();
                 let filled = accumulate(
                     &inverted[seg_ord],
-                    &norms,
+                    norms,
                     &infos[seg_ord],
                     &weights,
                     acc,
@@ -664,13 +677,13 @@ thread_local! {
 /// always > 0, so `acc[d] == 0` means untouched). The caller resets `acc` for `touched`, also after an error.
 fn accumulate(
     inverted: &tantivy::InvertedIndexReader,
-    norms: &tantivy::fieldnorm::FieldNormReader,
+    norms: &[f32],
     infos: &[Option<tantivy::postings::TermInfo>],
-    weights: &[Bm25Weight],
+    weights: &[f32],
     acc: &mut [f32],
     touched: &mut Vec<u32>,
 ) -> Result<(), Error> {
-    for (info, w) in infos.iter().zip(weights) {
+    for (info, &w) in infos.iter().zip(weights) {
         let Some(info) = info else {
             continue;
         };
@@ -683,18 +696,50 @@ fn accumulate(
                 break;
             }
             for (&d, &tf) in docs.iter().zip(block.freqs()) {
-                let Some(slot) = acc.get_mut(d as usize) else {
+                let (Some(slot), Some(&norm)) = (acc.get_mut(d as usize), norms.get(d as usize))
+                else {
                     continue;
                 };
                 if *slot == 0.0 {
                     touched.push(d);
                 }
-                *slot += w.score(norms.fieldnorm_id(d), tf);
+                // tantivy's `Bm25Weight::score` = weight * tf / (tf + norm), same operations in the same order.
+                let tf = tf as f32;
+                *slot += w * (tf / (tf + norm));
             }
             block.advance();
         }
     }
     Ok(())
+}
+
+/// tantivy's BM25 `k1` (fixed in tantivy 0.27, `tantivy::query::bm25`); the term-at-a-time path mirrors it and
+/// `tests/real_corpus.rs` checks that its scores equal tantivy's own.
+const BM25_K1: f32 = 1.2;
+/// tantivy's BM25 `b` (fixed in tantivy 0.27).
+const BM25_B: f32 = 0.75;
+
+/// Lucene/tantivy IDF: `ln(1 + (N - n + 0.5) / (n + 0.5))`.
+fn bm25_idf(doc_freq: u64, docs: u64) -> f32 {
+    let doc_freq = doc_freq.min(docs);
+    let x = ((docs - doc_freq) as f32 + 0.5) / (doc_freq as f32 + 0.5);
+    (1.0 + x).ln()
+}
+
+/// Per-document BM25 length normalisation `k1 * (1 - b + b * fieldnorm / avg_fieldnorm)` of a segment.
+fn segment_norms(
+    seg: &tantivy::SegmentReader,
+    field: Field,
+    avg_fieldnorm: f32,
+) -> Result<Vec<f32>, Error> {
+    let reader = seg.get_fieldnorms_reader(field)?;
+    Ok((0..seg.max_doc())
+        .map(|d| BM25_K1 * (1.0 - BM25_B + BM25_B * reader.fieldnorm(d) as f32 / avg_fieldnorm))
+        .collect())
+}
+
+thread_local! {
+    static ANALYZER: std::cell::RefCell<Option<TextAnalyzer>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Keeps the `k` best of `v` (score descending, then address ascending), sorted.
