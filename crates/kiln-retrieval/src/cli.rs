@@ -273,6 +273,45 @@ mod tests {
         assert!(e.to_string().contains("missing.jsonl"), "{e}");
     }
 
+    #[derive(clap::Parser)]
+    enum TestCli {
+        Index(IndexArgs),
+        ServeRetriever(ServeArgs),
+        BenchRetriever(BenchArgs),
+    }
+
+    #[test]
+    fn clap_definitions_are_valid_and_parse() {
+        use clap::{CommandFactory, Parser};
+        TestCli::command().debug_assert();
+        let c = TestCli::try_parse_from([
+            "kiln",
+            "serve-retriever",
+            "--index",
+            "i",
+            "--port",
+            "0",
+            "--token",
+            "t",
+        ])
+        .unwrap();
+        assert!(
+            matches!(c, TestCli::ServeRetriever(a) if a.token.as_deref() == Some("t") && a.host == "127.0.0.1")
+        );
+        let c = TestCli::try_parse_from([
+            "kiln",
+            "bench-retriever",
+            "--corpus",
+            "a",
+            "--corpus",
+            "b",
+            "--queries",
+            "q",
+        ])
+        .unwrap();
+        assert!(matches!(c, TestCli::BenchRetriever(a) if a.corpus.len() == 2 && a.clients == 32));
+    }
+
     #[test]
     fn serve_rejects_bad_host() {
         let e = run_serve(ServeArgs {
