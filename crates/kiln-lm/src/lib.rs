@@ -4,7 +4,11 @@
 
 pub mod cli;
 pub mod config;
+pub mod generate;
 pub mod model;
+pub mod weights;
 
 pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
+pub use generate::{FinishReason, Generation, SamplingConfig, generate, score_tokens};
 pub use model::{KvCache, Transformer, positions_from_mask};
+pub use weights::{WeightsError, load_hf_dir, save_hf_dir};

@@ -1,0 +1,462 @@
+//! Batched autoregressive generation with a KV cache, and re-scoring of given tokens.
+//!
+//! [`generate`] left-pads the prompts, runs one prefill and then one cached decode step per new
+//! token. Sampling (temperature, top-k, top-p, greedy) happens on the host from the step's
+//! logits with a seeded RNG, so a run is reproducible. Each sequence finishes on its own (stop
+//! token ids, stop strings, `max_new_tokens`); finished rows leave the batch. The generated
+//! token ids and their log-probs are returned exactly as sampled: the RL trainer never
+//! re-tokenizes.
+//!
+//! [`score_tokens`] is the train-time counterpart: log-probs of given tokens under the current
+//! parameters, as a differentiable tensor computed with the full (uncached) forward.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{KvCache, Transformer};
+
+/// Sampling settings of [`generate`].
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingConfig {
+    /// Maximum number of generated tokens per sequence. Default 64.
+    pub max_new_tokens: usize,
+    /// Softmax temperature; 0 means greedy. Default 1.0.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off). Default 0.
+    pub top_k: usize,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
+    /// (1.0 = off). Default 1.0.
+    pub top_p: f32,
+    /// Greedy decoding (argmax, ties to the lowest id), whatever the temperature. Default false.
+    pub greedy: bool,
+    /// Token ids that end a sequence (included in the output). Default: none (the model
+    /// config's `eos_token_id` is added by [`SamplingConfig::with_model_stops`]).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end a sequence once the decoded continuation contains them (the token
+    /// completing the string is included). Needs a decoder. Default: none.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 64,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            greedy: false,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+impl SamplingConfig {
+    /// Greedy decoding of `max_new_tokens` tokens.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            greedy: true,
+            ..Self::default()
+        }
+    }
+
+    /// Add the model's `eos_token_id`(s) to the stop tokens.
+    pub fn with_model_stops(mut self, model: &Transformer) -> Self {
+        if let Some(eos) = &model.config().eos_token_id {
+            for id in eos.to_vec() {
+                if !self.stop_token_ids.contains(&id) {
+                    self.stop_token_ids.push(id);
+                }
+            }
+        }
+        self
+    }
+
+    fn is_greedy(&self) -> bool {
+        self.greedy || self.temperature <= 0.0
+    }
+
+    /// The temperature the returned log-probs use (1 for greedy).
+    pub fn effective_temperature(&self) -> f32 {
+        if self.is_greedy() {
+            1.0
+        } else {
+            self.temperature
+        }
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// A stop token id was generated (it is the last token).
+    StopToken,
+    /// A stop string appeared in the decoded continuation.
+    StopString,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// Output of [`generate`], one entry per prompt, in prompt order.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated token ids (prompt excluded; stop token included).
+    pub tokens: Vec<Vec<u32>>,
+    /// Log-prob of each generated token under `log_softmax(logits / T)` (T = the effective
+    /// temperature, 1 for greedy), before top-k / top-p truncation: the same quantity
+    /// [`score_tokens`] computes with that temperature.
+    pub logprobs: Vec<Vec<f32>>,
+    /// Why each sequence stopped.
+    pub finish: Vec<FinishReason>,
+}
+
+/// Turns token ids into text (for stop strings); implemented by the tokenizers of this crate.
+pub trait Detokenize {
+    /// Decode ids to text.
+    fn decode_ids(&self, ids: &[u32]) -> String;
+}
+
+impl<F: Fn(&[u32]) -> String> Detokenize for F {
+    fn decode_ids(&self, ids: &[u32]) -> String {
+        self(ids)
+    }
+}
+
+fn int2(device: &burn::tensor::Device, data: Vec<i64>, shape: [usize; 2]) -> Tensor<2, Int> {
+    Tensor::from_data(TensorData::new(data, shape), device)
+}
+
+fn bool2(device: &burn::tensor::Device, data: Vec<bool>, shape: [usize; 2]) -> Tensor<2, Bool> {
+    Tensor::from_data(TensorData::new(data, shape), device)
+}
+
+/// Log-softmax of one row of logits at temperature `t`, in f64 for stability.
+fn row_log_softmax(row: &[f32], t: f32) -> Vec<f64> {
+    let t = t as f64;
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let lse = row
+        .iter()
+        .map(|&x| ((x as f64 - max) / t).exp())
+        .sum::<f64>()
+        .ln();
+    row.iter().map(|&x| (x as f64 - max) / t - lse).collect()
+}
+
+/// Pick the next token from one row of logits. Returns (token, log-prob under
+/// `log_softmax(logits / T_eff)`).
+pub fn sample_row(row: &[f32], cfg: &SamplingConfig, rng: &mut impl Rng) -> (u32, f32) {
+    let logp = row_log_softmax(row, cfg.effective_temperature());
+    if cfg.is_greedy() {
+        let mut best = 0usize;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        return (best as u32, logp[best] as f32);
+    }
+    // Candidates sorted by probability (descending; ties by id), truncated by top-k / top-p.
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    let k = if cfg.top_k > 0 {
+        cfg.top_k.min(row.len())
+    } else {
+        row.len()
+    };
+    let cmp = |a: &usize, b: &usize| logp[*b].total_cmp(&logp[*a]).then(a.cmp(b));
+    if k < row.len() {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    let need_sort = cfg.top_p < 1.0;
+    if need_sort {
+        idx.sort_unstable_by(cmp);
+        let mut cum = 0.0f64;
+        let mut keep = idx.len();
+        for (j, &i) in idx.iter().enumerate() {
+            cum += logp[i].exp();
+            if cum >= cfg.top_p as f64 {
+                keep = j + 1;
+                break;
+            }
+        }
+        idx.truncate(keep.max(1));
+    }
+    let total: f64 = idx.iter().map(|&i| logp[i].exp()).sum();
+    let mut u = rng.random::<f64>() * total;
+    let mut chosen = *idx.last().expect("at least one candidate");
+    for &i in &idx {
+        u -= logp[i].exp();
+        if u <= 0.0 {
+            chosen = i;
+            break;
+        }
+    }
+    (chosen as u32, logp[chosen] as f32)
+}
+
+/// Generate continuations of `prompts` (token ids, any lengths >= 1) with a KV cache.
+///
+/// Prompts are left-padded into one batch; positions count real tokens only, so a padded
+/// prompt gives the same tokens as the same prompt alone (up to float rounding). `detok` is
+/// needed only for stop strings. The RNG makes sampling reproducible for a given seed.
+///
+/// # Panics
+/// Panics if a prompt is empty or a token id is outside the vocabulary.
+pub fn generate(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    rng: &mut impl Rng,
+    detok: Option<&dyn Detokenize>,
+) -> Generation {
+    let n = prompts.len();
+    let mut out = Generation {
+        tokens: vec![Vec::new(); n],
+        logprobs: vec![Vec::new(); n],
+        finish: vec![FinishReason::Length; n],
+    };
+    if n == 0 || cfg.max_new_tokens == 0 {
+        return out;
+    }
+    let vocab = model.config().vocab_size;
+    for p in prompts {
+        assert!(!p.is_empty(), "generate: empty prompt");
+        assert!(
+            p.iter().all(|&t| (t as usize) < vocab),
+            "generate: prompt token outside the vocabulary ({vocab})"
+        );
+    }
+    let device = model.device();
+    let pad = model.config().pad_token_id.unwrap_or(0) as i64;
+    let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+
+    // Prefill.
+    let mut toks = Vec::with_capacity(n * max_len);
+    let mut mask = Vec::with_capacity(n * max_len);
+    for p in prompts {
+        let padn = max_len - p.len();
+        toks.extend(std::iter::repeat_n(pad, padn));
+        toks.extend(p.iter().map(|&t| t as i64));
+        mask.extend(std::iter::repeat_n(false, padn));
+        mask.extend(std::iter::repeat_n(true, p.len()));
+    }
+    let positions: Vec<i64> = prompts
+        .iter()
+        .flat_map(|p| {
+            let padn = max_len - p.len();
+            std::iter::repeat_n(0, padn).chain(0..p.len() as i64)
+        })
+        .collect();
+    let mut cache = KvCache::new(model.layers.len());
+    let hidden = model.forward_cached(
+        int2(&device, toks, [n, max_len]),
+        int2(&device, positions, [n, max_len]),
+        bool2(&device, mask.clone(), [n, max_len]),
+        &mut cache,
+    );
+    let d = model.config().hidden_size;
+    let last = hidden.slice([0..n, max_len - 1..max_len, 0..d]);
+    let mut logits = model.logits_from_normed(last);
+
+    // Active rows: index into `prompts`, next position, key mask so far.
+    let mut active: Vec<usize> = (0..n).collect();
+    let mut next_pos: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+    let mut key_mask: Vec<Vec<bool>> = mask.chunks(max_len).map(|c| c.to_vec()).collect();
+
+    loop {
+        let rows: Vec<f32> = logits
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .expect("float logits");
+        let mut step_tokens = Vec::with_capacity(active.len());
+        let mut keep = Vec::with_capacity(active.len());
+        for (r, &seq) in active.iter().enumerate() {
+            let row = &rows[r * vocab..(r + 1) * vocab];
+            let (tok, lp) = sample_row(row, cfg, rng);
+            out.tokens[seq].push(tok);
+            out.logprobs[seq].push(lp);
+            let mut done = None;
+            if cfg.stop_token_ids.contains(&tok) {
+                done = Some(FinishReason::StopToken);
+            } else if !cfg.stop_strings.is_empty()
+                && let Some(dt) = detok
+            {
+                let text = dt.decode_ids(&out.tokens[seq]);
+                if cfg.stop_strings.iter().any(|s| text.contains(s.as_str())) {
+                    done = Some(FinishReason::StopString);
+                }
+            }
+            if done.is_none() && out.tokens[seq].len() >= cfg.max_new_tokens {
+                done = Some(FinishReason::Length);
+            }
+            match done {
+                Some(reason) => out.finish[seq] = reason,
+                None => {
+                    keep.push(r);
+                    step_tokens.push(tok as i64);
+                }
+            }
+        }
+        if keep.is_empty() {
+            break;
+        }
+        if keep.len() != active.len() {
+            let rows_t = Tensor::<1, Int>::from_data(
+                TensorData::new(keep.iter().map(|&r| r as i64).collect(), [keep.len()]),
+                &device,
+            );
+            cache.select_rows(rows_t);
+            active = keep.iter().map(|&r| active[r]).collect();
+            key_mask = keep.iter().map(|&r| key_mask[r].clone()).collect();
+            next_pos = keep.iter().map(|&r| next_pos[r]).collect();
+        }
+        let b = active.len();
+        for m in key_mask.iter_mut() {
+            m.push(true);
+        }
+        let klen = key_mask[0].len();
+        let hidden = model.forward_cached(
+            int2(&device, step_tokens, [b, 1]),
+            int2(&device, next_pos.clone(), [b, 1]),
+            bool2(&device, key_mask.concat(), [b, klen]),
+            &mut cache,
+        );
+        for p in next_pos.iter_mut() {
+            *p += 1;
+        }
+        logits = model.logits_from_normed(hidden);
+    }
+    out
+}
+
+/// Log-probs of `tokens[:, 1:]` under the model given their prefixes, at `temperature`:
+/// `log_softmax(logits[:, :-1] / temperature)` gathered at the next tokens, shape `[B, T-1]`.
+/// Left padding via `attention_mask` (true = real token), as in [`Transformer::forward_masked`];
+/// entries whose target is padding are meaningless (mask them in the loss).
+///
+/// This is the train-time forward: the result is differentiable (use it in a loss on an
+/// autodiff device). It matches [`generate`]'s log-probs up to float rounding.
+pub fn score_tokens(
+    model: &Transformer,
+    tokens: Tensor<2, Int>,
+    attention_mask: Tensor<2, Bool>,
+    temperature: f32,
+) -> Tensor<2> {
+    let [b, t] = tokens.dims();
+    let logits = model.forward_masked(tokens.clone(), attention_mask);
+    let v = logits.dims()[2];
+    let logits = logits.slice([0..b, 0..t - 1, 0..v]);
+    let logits = if temperature != 1.0 {
+        logits.div_scalar(temperature)
+    } else {
+        logits
+    };
+    let logp = log_softmax(logits, 2);
+    let targets = tokens.slice([0..b, 1..t]).reshape([b, t - 1, 1]);
+    logp.gather(2, targets).reshape([b, t - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TransformerConfig;
+    use burn::tensor::Device;
+    use rand::SeedableRng;
+
+    fn model() -> Transformer {
+        let device = Device::flex();
+        device.seed(11);
+        TransformerConfig {
+            vocab_size: 40,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: Some(2),
+            initializer_range: 0.2,
+            ..Default::default()
+        }
+        .init(&device)
+    }
+
+    #[test]
+    fn batched_padded_greedy_equals_single() {
+        let m = model();
+        let prompts = vec![vec![1, 2, 3, 4, 5], vec![7, 8]];
+        let cfg = SamplingConfig::greedy(8);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+        let batched = generate(&m, &prompts, &cfg, &mut rng, None);
+        for (i, p) in prompts.iter().enumerate() {
+            let single = generate(&m, std::slice::from_ref(p), &cfg, &mut rng, None);
+            assert_eq!(single.tokens[0], batched.tokens[i]);
+            for (a, b) in single.logprobs[0].iter().zip(&batched.logprobs[i]) {
+                assert!((a - b).abs() < 1e-4);
+            }
+        }
+    }
+
+    #[test]
+    fn logprobs_match_rescoring_and_seed_reproduces() {
+        let m = model();
+        let prompts = vec![vec![1, 2, 3], vec![4, 5, 6, 7]];
+        let cfg = SamplingConfig {
+            max_new_tokens: 6,
+            temperature: 0.8,
+            top_k: 10,
+            top_p: 0.95,
+            stop_token_ids: vec![3],
+            ..Default::default()
+        };
+        let run = |seed| {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            generate(&m, &prompts, &cfg, &mut rng, None)
+        };
+        let g = run(5);
+        assert_eq!(g.tokens, run(5).tokens);
+        let device = m.device();
+        for (p, (toks, lps)) in prompts.iter().zip(g.tokens.iter().zip(&g.logprobs)) {
+            assert!(toks.len() <= 6);
+            if toks.len() < 6 {
+                assert_eq!(*toks.last().unwrap(), 3);
+            }
+            let full: Vec<i64> = p.iter().chain(toks).map(|&t| t as i64).collect();
+            let t = full.len();
+            let tokens = int2(&device, full, [1, t]);
+            let mask = bool2(&device, vec![true; t], [1, t]);
+            let scored: Vec<f32> = score_tokens(&m, tokens, mask, 0.8)
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap();
+            let tail = &scored[p.len() - 1..];
+            for (a, b) in tail.iter().zip(lps) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn stop_strings_end_sequences() {
+        let m = model();
+        let detok = |ids: &[u32]| ids.iter().map(|i| format!("<{i}>")).collect::<String>();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let first = generate(
+            &m,
+            &[vec![1, 2]],
+            &SamplingConfig::greedy(4),
+            &mut rng,
+            None,
+        );
+        let stop = format!("<{}>", first.tokens[0][1]);
+        let cfg = SamplingConfig {
+            stop_strings: vec![stop],
+            ..SamplingConfig::greedy(4)
+        };
+        let g = generate(&m, &[vec![1, 2]], &cfg, &mut rng, Some(&detok));
+        assert!(g.tokens[0].len() <= 2);
+        assert_eq!(g.finish[0], FinishReason::StopString);
+    }
+}
