@@ -31,8 +31,8 @@ pub struct BenchConfig {
     pub clients: usize,
     /// Requests per client (one query each, topk 3 with scores, as Search-R1's trainer sends).
     pub requests_per_client: usize,
-    /// Results of the bm25s peer script, to print side by side.
-    pub peer: Option<PathBuf>,
+    /// Results of the bm25s peer script (one file per run, e.g. per bm25s backend), printed side by side.
+    pub peers: Vec<PathBuf>,
 }
 
 /// Server latency figures.
@@ -279,7 +279,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, Error> {
         recall,
         server: lat,
     };
-    if let Some(p) = &cfg.peer {
+    for p in &cfg.peers {
         print_side_by_side(&report, p)?;
     }
     Ok(report)

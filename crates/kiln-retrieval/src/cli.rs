@@ -105,9 +105,9 @@ pub struct BenchArgs {
     /// Requests per client.
     #[arg(long, default_value_t = 200)]
     pub requests: usize,
-    /// JSON written by `scripts/retrieval/bench_bm25s.py --out FILE`, printed side by side.
+    /// JSON written by `scripts/retrieval/bench_bm25s.py --out FILE`, printed side by side (repeatable).
     #[arg(long)]
-    pub peer: Option<PathBuf>,
+    pub peer: Vec<PathBuf>,
     /// Write the kiln figures as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -205,7 +205,7 @@ pub fn run_bench(args: BenchArgs) -> Result<(), CliError> {
         rounds: args.rounds,
         clients: args.clients,
         requests_per_client: args.requests,
-        peer: args.peer,
+        peers: args.peer,
     };
     let result = crate::bench::run(&cfg);
     if let (None, Some(parent)) = (&args.index_dir, index_dir.parent()) {
