@@ -286,3 +286,72 @@ mod tests {
         assert!(paired_bootstrap_diff(&v, &[1.0], 100, 0.95, 0).is_err());
     }
 }
+
+/// How a question is answered in an evaluation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalMode {
+    /// No retrieval: one turn with [`crate::protocol::PromptTemplate::direct`].
+    Direct,
+    /// Retrieve once with the question, then one turn with [`crate::protocol::PromptTemplate::rag`].
+    Rag,
+    /// The multi-turn search agent ([`crate::protocol::PromptTemplate::search_r1`]).
+    #[default]
+    Agent,
+}
+
+impl std::str::FromStr for EvalMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "direct" => Ok(EvalMode::Direct),
+            "rag" => Ok(EvalMode::Rag),
+            "agent" => Ok(EvalMode::Agent),
+            other => Err(Error::Invalid(format!(
+                "unknown mode {other:?}; use direct, rag or agent"
+            ))),
+        }
+    }
+}
+
+impl EvalMode {
+    /// `direct`, `rag` or `agent`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvalMode::Direct => "direct",
+            EvalMode::Rag => "rag",
+            EvalMode::Agent => "agent",
+        }
+    }
+
+    /// A fresh episode for `question`. `rag_passages` (the top-k for the question) is required for
+    /// [`EvalMode::Rag`] and ignored otherwise. Direct and RAG episodes have one turn, without search.
+    pub fn episode(
+        self,
+        question: &str,
+        rag_passages: Option<&[crate::protocol::Passage]>,
+        protocol: &crate::protocol::ProtocolConfig,
+    ) -> Result<Episode, Error> {
+        use crate::protocol::{PromptTemplate, ProtocolConfig, format_documents};
+        let one_turn = ProtocolConfig {
+            max_turns: 1,
+            ..protocol.clone()
+        };
+        match self {
+            EvalMode::Agent => {
+                Episode::for_question(&PromptTemplate::search_r1(), question, protocol.clone())
+            }
+            EvalMode::Direct => {
+                Episode::for_question(&PromptTemplate::direct(), question, one_turn)
+            }
+            EvalMode::Rag => {
+                let ps = rag_passages.ok_or_else(|| {
+                    Error::Invalid("rag mode needs the passages retrieved for the question".into())
+                })?;
+                let prompt =
+                    PromptTemplate::rag().render_with_context(question, &format_documents(ps));
+                Episode::new(prompt, one_turn)
+            }
+        }
+    }
+}

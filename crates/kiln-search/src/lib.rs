@@ -6,6 +6,7 @@
 //! through [`rollout::TurnPolicy`] and [`rollout::SearchBackend`]; everything here is deterministic text/data logic.
 
 pub mod answer;
+pub mod cli;
 pub mod data;
 pub mod error;
 pub mod eval;

@@ -253,3 +253,60 @@ impl TurnPolicy for ScriptedPolicy {
         Ok(out)
     }
 }
+
+/// Response token ids of a batch, padded into the row-major `n x T` layout of `kiln_rl::Rollout`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedBatch {
+    /// Response ids per trajectory (unpadded).
+    pub ids: Vec<Vec<u32>>,
+    /// `T`: the longest response.
+    pub max_actions: usize,
+    /// `n * T`: 1.0 for policy tokens, 0.0 for observation tokens and padding.
+    pub action_mask: Vec<f32>,
+    /// `n * T` sampling log-probabilities of policy tokens (0.0 elsewhere), when every policy segment has them.
+    pub old_logprobs: Option<Vec<f32>>,
+}
+
+/// Packs trajectories whose segments all carry token ids (see
+/// [`crate::protocol::Trajectory::tokenize_observations`]).
+pub fn pack(trajectories: &[&crate::protocol::Trajectory]) -> Result<PackedBatch, Error> {
+    let mut ids = Vec::with_capacity(trajectories.len());
+    let mut masks = Vec::with_capacity(trajectories.len());
+    let mut have_lp = true;
+    let mut lps: Vec<Vec<f32>> = Vec::with_capacity(trajectories.len());
+    for (i, t) in trajectories.iter().enumerate() {
+        let (x, m) = t
+            .ids_and_loss_mask()
+            .map_err(|e| Error::Invalid(format!("trajectory {i}: {e}")))?;
+        let mut lp = Vec::with_capacity(x.len());
+        for seg in t.segments() {
+            let n = seg.token_ids.as_ref().map_or(0, Vec::len);
+            match (&seg.kind, &seg.logprobs) {
+                (crate::protocol::SegmentKind::Policy, Some(l)) if l.len() == n => {
+                    lp.extend_from_slice(l)
+                }
+                (crate::protocol::SegmentKind::Policy, _) => {
+                    have_lp = false;
+                    lp.extend(std::iter::repeat_n(0.0, n));
+                }
+                _ => lp.extend(std::iter::repeat_n(0.0, n)),
+            }
+        }
+        ids.push(x);
+        masks.push(m);
+        lps.push(lp);
+    }
+    let t = ids.iter().map(Vec::len).max().unwrap_or(0);
+    let mut action_mask = vec![0.0; ids.len() * t];
+    let mut old = vec![0.0; ids.len() * t];
+    for (r, (m, lp)) in masks.iter().zip(&lps).enumerate() {
+        action_mask[r * t..r * t + m.len()].copy_from_slice(m);
+        old[r * t..r * t + lp.len()].copy_from_slice(lp);
+    }
+    Ok(PackedBatch {
+        ids,
+        max_actions: t,
+        action_mask,
+        old_logprobs: have_lp.then_some(old),
+    })
+}

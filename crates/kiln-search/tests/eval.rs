@@ -104,3 +104,38 @@ fn report_table_and_transcripts() {
         serde_json::from_str(&std::fs::read_to_string(&files.summary).unwrap()).unwrap();
     assert_eq!(js.as_array().unwrap().len(), 2);
 }
+
+#[test]
+fn baseline_modes_build_one_turn_episodes() {
+    use kiln_search::eval::EvalMode;
+    use kiln_search::protocol::{EndReason, Generated, Pending};
+    let cfg = ProtocolConfig::default();
+    let ps = search(&["capital".to_string()], 3).unwrap().remove(0);
+    let mut rag = EvalMode::Rag.episode("Q?", Some(&ps), &cfg).unwrap();
+    assert!(
+        rag.trajectory
+            .prompt
+            .contains("Doc 1(Title: capital) Paris is the capital.\nQuestion: Q?\n")
+    );
+    assert_eq!(
+        rag.pending(),
+        &Pending::Generate {
+            turn: 1,
+            search_enabled: false
+        }
+    );
+    rag.push_generation(Generated::text("<search>more</search>"))
+        .unwrap();
+    assert_eq!(rag.end_reason(), Some(&EndReason::SearchOnLastTurn));
+    assert!(EvalMode::Rag.episode("Q?", None, &cfg).is_err());
+    let mut direct = EvalMode::Direct.episode("Q?", None, &cfg).unwrap();
+    assert!(!direct.trajectory.prompt.contains("<search>"));
+    direct
+        .push_generation(Generated::text("<answer>x</answer>"))
+        .unwrap();
+    assert_eq!(direct.end_reason(), Some(&EndReason::Answered));
+    let agent = EvalMode::Agent.episode("Q?", None, &cfg).unwrap();
+    assert_eq!(agent.config.max_turns, 4);
+    assert_eq!("rag".parse::<EvalMode>().unwrap(), EvalMode::Rag);
+    assert!("other".parse::<EvalMode>().is_err());
+}

@@ -395,3 +395,44 @@ proptest::proptest! {
         let _ = kiln_search::answer::extract_answer(&eps[0].trajectory.response_text());
     }
 }
+
+#[test]
+fn pack_pads_into_rollout_layout() {
+    let mut eps = episodes(2);
+    let mut policy = ScriptedPolicy::new(vec![
+        vec!["<search>Acme</search>", "<answer>Velno</answer>"],
+        vec!["<answer>x</answer>"],
+    ])
+    .with_tokenizer(bytes);
+    run_episodes(&mut eps, &mut policy, &fake_search, OnSearchError::Fail).unwrap();
+    let trajs: Vec<&Trajectory> = eps.iter().map(|e| &e.trajectory).collect();
+    assert!(
+        kiln_search::rollout::pack(&trajs).is_err(),
+        "observations not tokenized yet"
+    );
+    for e in &mut eps {
+        e.trajectory.tokenize_observations(bytes);
+    }
+    let trajs: Vec<&Trajectory> = eps.iter().map(|e| &e.trajectory).collect();
+    let p = kiln_search::rollout::pack(&trajs).unwrap();
+    let t0 = eps[0].trajectory.response_text().len();
+    let t1 = eps[1].trajectory.response_text().len();
+    assert_eq!(p.max_actions, t0.max(t1));
+    assert_eq!(p.action_mask.len(), 2 * p.max_actions);
+    let row1 = &p.action_mask[p.max_actions..];
+    assert!(row1[..t1].iter().all(|m| *m == 1.0));
+    assert!(row1[t1..].iter().all(|m| *m == 0.0));
+    let row0 = &p.action_mask[..p.max_actions];
+    let policy_tokens: usize = eps[0]
+        .trajectory
+        .steps
+        .iter()
+        .map(|s| s.policy.text.len())
+        .sum();
+    assert_eq!(row0.iter().filter(|m| **m == 1.0).count(), policy_tokens);
+    let lp = p.old_logprobs.unwrap();
+    assert_eq!(
+        lp.iter().filter(|x| **x == -1.0).count(),
+        policy_tokens + t1
+    );
+}
