@@ -217,6 +217,13 @@ pub struct ParsedTurn<'a> {
     pub action: Action,
 }
 
+/// Cuts `s` to at most `max` characters (on a char boundary).
+fn cut_chars(s: &mut String, max: usize) {
+    if let Some((i, _)) = s.char_indices().nth(max) {
+        s.truncate(i);
+    }
+}
+
 /// Removes protocol tags from a query and collapses whitespace.
 fn clean_query(q: &str, max_chars: usize) -> String {
     let mut s = q.to_string();
@@ -532,6 +539,9 @@ pub struct ProtocolConfig {
     pub top_k: usize,
     /// Longer queries are cut to this many characters (default 512).
     pub max_query_chars: usize,
+    /// Passage texts longer than this many characters are cut in the observation (default 4096; titles are cut
+    /// at 256). Guards against a retriever returning huge garbage; real passages are far shorter.
+    pub max_passage_chars: usize,
 }
 
 impl Default for ProtocolConfig {
@@ -540,6 +550,7 @@ impl Default for ProtocolConfig {
             max_turns: 4,
             top_k: 3,
             max_query_chars: 512,
+            max_passage_chars: 4096,
         }
     }
 }
@@ -734,6 +745,10 @@ impl Episode {
             )));
         };
         passages.truncate(self.config.top_k);
+        for p in &mut passages {
+            cut_chars(&mut p.text, self.config.max_passage_chars);
+            cut_chars(&mut p.title, 256);
+        }
         let query = query.clone();
         let obs = format_observation(&passages);
         let step = self
@@ -940,6 +955,7 @@ mod tests {
         assert_eq!(ep.pending(), &Pending::Search { query: "q".into() });
         assert!(ep.push_generation(Generated::text("x")).is_err());
         ep.push_search_results(vec![Passage::default(); 5]).unwrap();
+        // (huge passages are cut: see huge_passages_are_cut)
         assert_eq!(
             ep.trajectory.steps[0]
                 .search
@@ -977,6 +993,25 @@ mod tests {
                 + INVALID_ACTION_OBSERVATION
                 + "<search>q2</search>\n\n<information></information>\n\n<search>q3</search>"
         );
+    }
+
+    #[test]
+    fn huge_passages_are_cut() {
+        let mut ep = Episode::new("P", ProtocolConfig::default()).unwrap();
+        ep.push_generation(Generated::text("<search>q</search>"))
+            .unwrap();
+        let p = Passage {
+            id: "x".into(),
+            title: "t".repeat(1000),
+            text: "é".repeat(1_000_000),
+            score: 0.0,
+        };
+        ep.push_search_results(vec![p]).unwrap();
+        let s = &ep.trajectory.steps[0];
+        let got = &s.search.as_ref().unwrap().passages[0];
+        assert_eq!(got.text.chars().count(), 4096);
+        assert_eq!(got.title.len(), 256);
+        assert!(s.observation.as_ref().unwrap().text.len() < 10_000);
     }
 
     #[test]
