@@ -157,7 +157,14 @@ async fn retrieve(
             } else {
                 StatusCode::BAD_REQUEST
             };
-            return err(status, msg);
+            // The unread rest of the body makes the connection unusable: tell the client not to reuse it (else its
+            // next request on this connection races with the server closing it).
+            let mut resp = err(status, msg);
+            resp.headers_mut().insert(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+            return resp;
         }
     };
     let req: RetrieveRequest = match serde_json::from_slice(&body) {
