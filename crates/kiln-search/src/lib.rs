@@ -15,5 +15,6 @@ pub mod refiner;
 pub mod reward;
 pub mod rollout;
 pub mod synthetic;
+pub mod task;
 
 pub use error::Error;

@@ -177,6 +177,14 @@ pub struct RefinerRecord {
     pub cut: Option<usize>,
 }
 
+impl RefinerRecord {
+    /// The decision the refiner took as its candidate text (`" 0"` when accepted, `" j"` when cut at j): the
+    /// tokens that enter the policy loss under joint optimisation. `None` when no decision was taken.
+    pub fn decision_text(&self) -> Option<String> {
+        self.decision.map(|_| format!(" {}", self.cut.unwrap_or(0)))
+    }
+}
+
 /// Result of [`refine`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Refined {

@@ -74,6 +74,10 @@ pub struct RolloutStats {
     pub queries: usize,
     /// Searches that failed (episodes ended with `SearchFailed`).
     pub failed_searches: usize,
+    /// Wall time spent in [`TurnPolicy::generate`].
+    pub generate_seconds: f64,
+    /// Wall time spent in [`SearchBackend::search_batch`].
+    pub search_seconds: f64,
 }
 
 impl RolloutStats {
@@ -88,7 +92,21 @@ impl RolloutStats {
                 "rollout/failed_searches".into(),
                 self.failed_searches as f64,
             ),
+            ("rollout/generate_seconds".into(), self.generate_seconds),
+            ("rollout/search_seconds".into(), self.search_seconds),
         ])
+    }
+
+    /// Adds another call's counters.
+    pub fn add(&mut self, o: &RolloutStats) {
+        self.rounds += o.rounds;
+        self.generate_calls += o.generate_calls;
+        self.turns += o.turns;
+        self.search_calls += o.search_calls;
+        self.queries += o.queries;
+        self.failed_searches += o.failed_searches;
+        self.generate_seconds += o.generate_seconds;
+        self.search_seconds += o.search_seconds;
     }
 }
 
@@ -126,7 +144,9 @@ pub fn run_episodes(
         stats.rounds += 1;
         stats.generate_calls += 1;
         let indices: Vec<usize> = requests.iter().map(|r| r.index).collect();
+        let t = std::time::Instant::now();
         let outs = policy.generate(&requests)?;
+        stats.generate_seconds += t.elapsed().as_secs_f64();
         drop(requests);
         if outs.len() != indices.len() {
             return Err(Error::Policy(format!(
@@ -154,7 +174,10 @@ pub fn run_episodes(
         let k = episodes[idx[0]].config.top_k;
         stats.search_calls += 1;
         stats.queries += queries.len();
-        let result = search.search_batch(&queries, k).and_then(|r| {
+        let t = std::time::Instant::now();
+        let result = search.search_batch(&queries, k);
+        stats.search_seconds += t.elapsed().as_secs_f64();
+        let result = result.and_then(|r| {
             if r.len() == queries.len() {
                 Ok(r)
             } else {
@@ -187,6 +210,19 @@ pub fn run_episodes(
         }
     }
     Ok(stats)
+}
+
+/// A policy from a closure over each request (tests: outputs that depend on the episode's content rather than
+/// its position in the batch).
+pub struct FnPolicy<F>(pub F);
+
+impl<F> TurnPolicy for FnPolicy<F>
+where
+    F: FnMut(&TurnRequest<'_>) -> Generated,
+{
+    fn generate(&mut self, requests: &[TurnRequest<'_>]) -> Result<Vec<Generated>, Error> {
+        Ok(requests.iter().map(&mut self.0).collect())
+    }
 }
 
 type ToyTokenizer = Box<dyn FnMut(&str) -> Vec<u32>>;
