@@ -100,4 +100,38 @@ fn hops_are_retrievable_with_bm25_and_demonstrations_survive() {
         "test bridge questions: second-hop document in the top 3 for the question alone: {second_hop_found}/{}",
         bridge.len()
     );
+    assert!(
+        second_hop_found * 10 <= bridge.len(),
+        "the question alone should not find the second hop"
+    );
+    // Retrieve-once (RAG) ceiling per question kind: is a gold answer in the top 3 for the question alone?
+    for kind in ["1hop", "bridge", "comparison"] {
+        let qs: Vec<_> = world
+            .test
+            .iter()
+            .filter(|q| q.example.kind.as_deref() == Some(kind))
+            .collect();
+        let hit = qs
+            .iter()
+            .filter(|q| {
+                let res = search(std::slice::from_ref(&q.example.question), 3)
+                    .unwrap()
+                    .remove(0);
+                res.iter().any(|p| {
+                    kiln_search::reward::passage_contains_answer(p, &q.example.golden_answers)
+                })
+            })
+            .count();
+        eprintln!(
+            "test {kind}: gold answer in the question-only top 3 for {hit}/{}",
+            qs.len()
+        );
+        if kind == "bridge" {
+            assert!(
+                hit * 4 <= qs.len(),
+                "bridge answers should need a second search ({hit}/{})",
+                qs.len()
+            );
+        }
+    }
 }
