@@ -598,18 +598,23 @@ impl IndexRetriever {
                 if acc.len() < max_doc {
                     acc.resize(max_doc, 0.0);
                 }
-                touched.clear();
+                // One slot per document (each is recorded at most once) plus one for the branch-free write.
+                if touched.len() < max_doc + 1 {
+                    touched.resize(max_doc + 1, 0);
+                }
+                let mut count = 0;
                 let filled = accumulate(
                     &inverted[seg_ord],
-                    norms,
+                    &norms[..norms.len().min(max_doc)],
                     &infos[seg_ord],
                     &weights,
-                    acc,
+                    &mut acc[..max_doc],
                     touched,
+                    &mut count,
                 );
                 // Always reset the touched slots (also after an error) while selecting the best k.
                 let mut threshold = f32::NEG_INFINITY;
-                for &d in touched.iter() {
+                for &d in touched[..count].iter() {
                     let score = std::mem::take(&mut acc[d as usize]);
                     if score < threshold || alive.is_some_and(|a| a.is_deleted(d)) {
                         continue;
@@ -666,7 +671,7 @@ impl IndexRetriever {
 pub const DOC_STORE_CACHE_BLOCKS: usize = 2048;
 
 /// Segments up to this many documents are searched term-at-a-time with a dense per-thread score accumulator
-/// (4 bytes per document and thread); larger ones with tantivy's block-max WAND.
+/// (8 bytes per document and thread: scores and the touched list); larger ones with tantivy's block-max WAND.
 pub const TAAT_MAX_DOCS: usize = 4 << 20;
 
 #[derive(Default)]
@@ -679,16 +684,29 @@ thread_local! {
     static TAAT_SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
-/// Adds every term's BM25 contribution to `acc`, recording first-touched documents in `touched` (BM25 terms are
-/// always > 0, so `acc[d] == 0` means untouched). The caller resets `acc` for `touched`, also after an error.
+/// Adds every term's BM25 contribution to `acc`, recording first-touched documents in `touched[..*count]` (BM25
+/// terms are always > 0, so `acc[d] == 0` means untouched). `touched` must have room for `acc.len() + 1` entries.
+/// The caller resets `acc` for the touched documents, also after an error.
+///
+/// The inner loop is branch-free on the data (the document id is always written to `touched[count]`, and `count`
+/// advances only on a first touch): a "first touch?" branch is unpredictable and cost more than the arithmetic.
 fn accumulate(
     inverted: &tantivy::InvertedIndexReader,
     norms: &[f32],
     infos: &[Option<tantivy::postings::TermInfo>],
     weights: &[f32],
     acc: &mut [f32],
-    touched: &mut Vec<u32>,
+    touched: &mut [u32],
+    count: &mut usize,
 ) -> Result<(), Error> {
+    let n = acc.len().min(norms.len());
+    let (acc, norms) = (&mut acc[..n], &norms[..n]);
+    if touched.len() <= n {
+        return Err(Error::Invalid(
+            "accumulate: touched buffer too small".into(),
+        ));
+    }
+    let mut cnt = *count;
     for (info, &w) in infos.iter().zip(weights) {
         let Some(info) = info else {
             continue;
@@ -702,20 +720,25 @@ fn accumulate(
                 break;
             }
             for (&d, &tf) in docs.iter().zip(block.freqs()) {
-                let (Some(slot), Some(&norm)) = (acc.get_mut(d as usize), norms.get(d as usize))
-                else {
+                let di = d as usize;
+                if di >= n {
                     continue;
-                };
-                if *slot == 0.0 {
-                    touched.push(d);
                 }
+                let old = acc[di];
+                // cnt <= number of distinct documents seen <= n < touched.len().
+                if let Some(t) = touched.get_mut(cnt) {
+                    *t = d;
+                }
+                cnt += usize::from(old == 0.0);
                 // tantivy's `Bm25Weight::score` = weight * tf / (tf + norm), same operations in the same order.
                 let tf = tf as f32;
-                *slot += w * (tf / (tf + norm));
+                acc[di] = old + w * (tf / (tf + norms[di]));
             }
+            *count = cnt;
             block.advance();
         }
     }
+    *count = cnt;
     Ok(())
 }
 
