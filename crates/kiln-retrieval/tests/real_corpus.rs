@@ -89,6 +89,32 @@ fn recall_on_real_corpus() {
         "recall@10 {:.4} below floor 0.63",
         r[1].recall
     );
+    // Passages served from memory equal the doc store's.
+    let index = tantivy::Index::open_in_dir(
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-retrieval-real-index"),
+    )
+    .unwrap();
+    let searcher = index.reader().unwrap().searcher();
+    let schema = index.schema();
+    let field = |n: &str| schema.get_field(n).unwrap();
+    for q in s.qa.iter().take(20) {
+        let hits = s.retriever.search_hits(&q.question, 3).unwrap();
+        let passages = s.retriever.search(&q.question, 3).unwrap();
+        for ((_, addr), p) in hits.iter().zip(&passages) {
+            let doc: tantivy::TantivyDocument = searcher.doc(*addr).unwrap();
+            let get = |n: &str| {
+                use tantivy::schema::Value;
+                doc.get_first(field(n))
+                    .and_then(|v| v.as_str())
+                    .unwrap()
+                    .to_string()
+            };
+            assert_eq!(
+                (get("id"), get("title"), get("text")),
+                (p.id.clone(), p.title.clone(), p.text.clone())
+            );
+        }
+    }
     // The first question's supporting "VIVA Media" passage is found.
     let hits = s.retriever.search(&s.qa[0].question, 10).unwrap();
     assert!(hits.iter().any(|p| s.qa[0].supporting.contains(&p.id)));
