@@ -4,11 +4,17 @@
 
 pub mod cli;
 pub mod config;
+pub mod diffusion;
 pub mod generate;
+pub mod gguf;
 pub mod model;
+pub mod tokenizer;
 pub mod weights;
+pub mod zoo;
 
 pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
 pub use generate::{FinishReason, Generation, SamplingConfig, generate, score_tokens};
+pub use gguf::load_gguf;
 pub use model::{KvCache, Transformer, positions_from_mask};
+pub use tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
 pub use weights::{WeightsError, load_hf_dir, save_hf_dir};

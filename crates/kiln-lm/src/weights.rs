@@ -83,9 +83,27 @@ pub enum WeightsError {
         /// The dtype.
         dtype: String,
     },
+    /// A GGUF file is malformed or unsupported.
+    #[error("{path}: {message}")]
+    Gguf {
+        /// The file.
+        path: String,
+        /// What was wrong.
+        message: String,
+    },
     /// The config is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+}
+
+/// Anything that yields f32 tensors under HF names (safetensors folders, GGUF files).
+pub trait TensorSource {
+    /// True if a tensor of that HF name exists.
+    fn contains(&self, name: &str) -> bool;
+    /// Read tensor `name` as f32 (row-major), checking it has shape `expected`.
+    fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, WeightsError>;
+    /// The files behind this source, for messages.
+    fn describe(&self) -> String;
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightsError + '_ {
@@ -165,11 +183,6 @@ impl SafetensorsSource {
         Ok(Self { files, index })
     }
 
-    /// True if a tensor of that name exists.
-    pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
-    }
-
     /// All tensor names.
     pub fn names(&self) -> Vec<String> {
         let mut v: Vec<String> = self.index.keys().cloned().collect();
@@ -184,9 +197,18 @@ impl SafetensorsSource {
             .collect::<Vec<_>>()
             .join(", ")
     }
+}
 
-    /// Read tensor `name` as f32, checking its shape.
-    pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, WeightsError> {
+impl TensorSource for SafetensorsSource {
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn describe(&self) -> String {
+        self.file_list()
+    }
+
+    fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, WeightsError> {
         let i = *self.index.get(name).ok_or_else(|| WeightsError::Missing {
             name: name.into(),
             files: self.file_list(),
@@ -258,7 +280,7 @@ pub enum NameScheme {
 
 impl NameScheme {
     /// Pick the scheme from the tensor names present.
-    pub fn detect(src: &SafetensorsSource) -> Self {
+    pub fn detect(src: &dyn TensorSource) -> Self {
         if src.contains("model.transformer.wte.weight") {
             NameScheme::Llada
         } else {
@@ -320,7 +342,7 @@ fn param2(data: Vec<f32>, shape: [usize; 2], device: &Device) -> Param<Tensor<2>
 /// Build a [`Transformer`] for `cfg` from the tensors in `src`.
 pub fn load_transformer(
     cfg: &TransformerConfig,
-    src: &SafetensorsSource,
+    src: &dyn TensorSource,
     device: &Device,
 ) -> Result<Transformer, WeightsError> {
     cfg.validate()?;

@@ -23,12 +23,22 @@ struct Greedy {
 }
 
 #[derive(Deserialize)]
+struct Llada {
+    prompt: Vec<u32>,
+    steps: usize,
+    gen_length: usize,
+    block_length: usize,
+    tokens: Vec<u32>,
+}
+
+#[derive(Deserialize)]
 struct Expected {
     input_ids: Vec<Vec<i64>>,
     logits_shape: [usize; 3],
     logits: Vec<f32>,
     padded: Padded,
     greedy: Option<Vec<Greedy>>,
+    llada: Option<Vec<Llada>>,
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -232,5 +242,31 @@ fn export_for_transformers_check() {
     for name in ["tiny-llama", "tiny-qwen2"] {
         let model = load_hf_dir(fixture(name), &device).unwrap();
         save_hf_dir(&model, Path::new(&out).join(name)).unwrap();
+    }
+}
+
+#[test]
+fn llada_low_confidence_decoding_matches_reference() {
+    use kiln_lm::diffusion::{DiffusionConfig, Remasking, llada_generate};
+    let device = Device::flex();
+    let model = load_hf_dir(fixture("tiny-llada"), &device).unwrap();
+    assert!(!model.config().causal);
+    let exp = expected("tiny-llada");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    for case in exp.llada.expect("llada cases") {
+        let cfg = DiffusionConfig {
+            gen_length: case.gen_length,
+            steps: case.steps,
+            block_length: case.block_length,
+            temperature: 0.0,
+            remasking: Remasking::LowConfidence,
+        };
+        let out =
+            llada_generate(&model, std::slice::from_ref(&case.prompt), &cfg, &mut rng).unwrap();
+        assert_eq!(
+            out[0], case.tokens,
+            "steps {} block {}",
+            case.steps, case.block_length
+        );
     }
 }

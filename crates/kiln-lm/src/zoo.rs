@@ -1,0 +1,121 @@
+//! Model lookup: a name recorded by `just setup` in `.kiln/models.json` (e.g. `smollm2-135m`,
+//! see `scripts/lm/setup_smollm2.sh`), an HF model folder, or a `.gguf` file, loaded together
+//! with its tokenizer.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+
+use crate::gguf::{GgufFile, GgufSource};
+use crate::model::Transformer;
+use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::weights::{WeightsError, load_hf_dir, load_transformer};
+
+/// Errors of model lookup and loading.
+#[derive(Debug, thiserror::Error)]
+pub enum ZooError {
+    /// The name is neither a path nor a recorded model.
+    #[error(
+        "unknown model `{0}`: not a folder or .gguf file, and not recorded in .kiln/models.json (run `just setup` to install smollm2-135m)"
+    )]
+    Unknown(String),
+    /// `.kiln/models.json` is unreadable.
+    #[error("{path}: {message}")]
+    Registry {
+        /// The registry file.
+        path: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// Weights failed to load.
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    /// The tokenizer failed to load.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+/// Where a model's files are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    /// HF folder: config.json + safetensors + tokenizer.json.
+    HfDir(PathBuf),
+    /// A GGUF file (weights, config and tokenizer inside).
+    Gguf(PathBuf),
+}
+
+/// `.kiln/models.json` files to consult: in the current directory and its ancestors, then
+/// next to this crate's workspace (for tests and `cargo run`).
+fn registries() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(mut dir) = std::env::current_dir() {
+        loop {
+            out.push(dir.join(".kiln/models.json"));
+            if !dir.pop() {
+                break;
+            }
+        }
+    }
+    out.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.kiln/models.json"));
+    out
+}
+
+/// Look a name up in the `.kiln/models.json` registries.
+pub fn lookup_name(name: &str) -> Result<Option<PathBuf>, ZooError> {
+    for reg in registries() {
+        let Ok(text) = std::fs::read_to_string(&reg) else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ZooError::Registry {
+            path: reg.display().to_string(),
+            message: e.to_string(),
+        })?;
+        if let Some(p) = v.get(name).and_then(|p| p.as_str()) {
+            let p = PathBuf::from(p);
+            if p.exists() {
+                return Ok(Some(p));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Resolve a model spec: an existing folder or `.gguf` path, or a recorded name.
+pub fn resolve(spec: &str) -> Result<ModelSource, ZooError> {
+    let p = Path::new(spec);
+    let classify = |p: &Path| {
+        if p.is_dir() {
+            ModelSource::HfDir(p.to_path_buf())
+        } else {
+            ModelSource::Gguf(p.to_path_buf())
+        }
+    };
+    if p.exists() {
+        return Ok(classify(p));
+    }
+    match lookup_name(spec)? {
+        Some(p) => Ok(classify(&p)),
+        None => Err(ZooError::Unknown(spec.into())),
+    }
+}
+
+/// Load a model and its tokenizer from a spec (see [`resolve`]).
+pub fn load_with_tokenizer(
+    spec: &str,
+    device: &Device,
+) -> Result<(Transformer, Tokenizer), ZooError> {
+    match resolve(spec)? {
+        ModelSource::HfDir(dir) => {
+            let tok = Tokenizer::from_hf_dir(&dir)?;
+            let model = load_hf_dir(&dir, device)?;
+            Ok((model, tok))
+        }
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(&path)?;
+            let cfg = file.config()?;
+            let tok = Tokenizer::from_gguf(&file)?;
+            let model = load_transformer(&cfg, &GgufSource::new(&file, &cfg), device)?;
+            Ok((model, tok))
+        }
+    }
+}

