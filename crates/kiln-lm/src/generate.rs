@@ -260,7 +260,8 @@ pub fn generate(
     );
     let d = model.config().hidden_size;
     let last = hidden.slice([0..n, max_len - 1..max_len, 0..d]);
-    let mut logits = model.logits_from_normed(last);
+    let head = model.inference_head();
+    let mut logits = model.logits_with_head(last, &head);
 
     // Active rows: index into `prompts`, next position, key mask so far.
     let mut active: Vec<usize> = (0..n).collect();
@@ -328,7 +329,7 @@ pub fn generate(
         for p in next_pos.iter_mut() {
             *p += 1;
         }
-        logits = model.logits_from_normed(hidden);
+        logits = model.logits_with_head(hidden, &head);
     }
     out
 }

@@ -438,6 +438,23 @@ impl Transformer {
         self.logits_from_normed(rms_norm(&self.norm, hidden))
     }
 
+    /// The output projection `[hidden, vocab]` as a contiguous, detached tensor, for
+    /// inference loops that call [`Self::logits_with_head`] many times (with tied embeddings
+    /// the projection is a transposed view, which is slow for small batches).
+    pub fn inference_head(&self) -> Tensor<2> {
+        let w = match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.embed_tokens.weight.val().transpose(),
+        };
+        let device = w.device();
+        Tensor::from_data(w.into_data(), &device)
+    }
+
+    /// Output projection with a head from [`Self::inference_head`] (not differentiable).
+    pub fn logits_with_head(&self, normed: Tensor<3>, head: &Tensor<2>) -> Tensor<3> {
+        linear(normed, head.clone(), None)
+    }
+
     /// Output projection of already-normed hidden states `[B, T, hidden]` -> `[B, T, vocab]`.
     pub fn logits_from_normed(&self, normed: Tensor<3>) -> Tensor<3> {
         match &self.lm_head {

@@ -270,3 +270,22 @@ fn llada_low_confidence_decoding_matches_reference() {
         );
     }
 }
+
+#[test]
+fn cli_export_writes_a_loadable_hf_folder() {
+    let out = tempfile::tempdir().unwrap();
+    let dst = out.path().join("hf");
+    kiln_lm::cli::run_export(kiln_lm::cli::ExportArgs {
+        checkpoint: fixture("tiny-qwen2"),
+        hf: dst.clone(),
+    })
+    .unwrap();
+    let back = load_hf_dir(&dst, &Device::flex()).unwrap();
+    assert!(back.config().attention_bias);
+    let err = kiln_lm::cli::run_export(kiln_lm::cli::ExportArgs {
+        checkpoint: out.path().join("missing.bin"),
+        hf: dst,
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("expected a checkpoint"), "{err}");
+}

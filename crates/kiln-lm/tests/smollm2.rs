@@ -153,3 +153,34 @@ fn truncated_gguf_is_a_clear_error() {
         assert!(err.to_string().contains("truncated"), "cut {cut}: {err}");
     }
 }
+
+#[test]
+fn cli_generate_runs_on_the_recorded_model() {
+    let args = kiln_lm::cli::GenerateArgs {
+        model: gguf_path().display().to_string(),
+        prompt: "What is 2 + 2?".into(),
+        raw: false,
+        system: None,
+        max_new_tokens: 8,
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 0,
+        batch: 1,
+    };
+    kiln_lm::cli::run_generate(args).unwrap();
+    let bad = kiln_lm::cli::GenerateArgs {
+        model: "no-such-model".into(),
+        prompt: "x".into(),
+        raw: true,
+        system: None,
+        max_new_tokens: 1,
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 0,
+        batch: 1,
+    };
+    let err = kiln_lm::cli::run_generate(bad).unwrap_err();
+    assert!(err.to_string().contains("just setup"), "{err}");
+}
