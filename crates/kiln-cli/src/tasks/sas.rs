@@ -1,0 +1,876 @@
+//! SAS tasks (METHODS.md section 2):
+//!
+//! - `task: mdm_sudoku`: pre-train the Sudoku masked-diffusion denoiser (supervised loop) and
+//!   save it to `denoiser_dir`;
+//! - `task: sas`: the whole chain: pre-train the denoiser if `denoiser_dir` has none, train the
+//!   order policy with GRPO and the self-aware reward (denoiser frozen), optionally stage 2
+//!   (fine-tune the denoiser along the learned orders), and end with the evaluation table of
+//!   every schedule on the held-out sets;
+//! - `task: sas_gsm8k`: GSM8K pass@1 of a masked-diffusion LM with LLaDA-style decoding (on CPU
+//!   with a tiny byte-level denoiser as a smoke test).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use burn::module::Module;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use kiln_lm::TransformerConfig;
+use kiln_rl::{Trainer, TrainerOptions};
+use kiln_sas::denoiser::{
+    DenoiserConfig, PretrainConfig, PuzzleSetConfig, SudokuDenoiser, check_denoiser_config,
+    check_pretrain, check_puzzle_set, denoiser_exists, load_denoiser, pretrain,
+};
+use kiln_sas::eval::{ScheduleOutcome, draw_orders, markdown, report, run_schedules};
+use kiln_sas::gsm8k::{
+    LladaDecodeConfig, answers_match, extract_answer, llada_generate, load_gsm8k,
+};
+use kiln_sas::policy::{OrderPolicy, PolicyConfig};
+use kiln_sas::schedule::{DecodeConfig, Schedule};
+use kiln_sas::sudoku::{LoadOptions, Puzzle, Shape, load_file};
+use kiln_sas::task::{SasConfig, SasTask, Stage2Config, stage2};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Checker, CommonConfig};
+use crate::recipe::{RawRecipe, RecipeError};
+use crate::run;
+
+fn invalid(raw: &RawRecipe, path: &str, msg: impl Into<String>) -> RecipeError {
+    RecipeError::Invalid {
+        at: raw.origin(path),
+        path: path.to_string(),
+        msg: msg.into(),
+    }
+}
+
+fn check_pair(raw: &RawRecipe, r: Result<(), (String, String)>) -> Result<(), RecipeError> {
+    r.map_err(|(p, m)| invalid(raw, &p, m))
+}
+
+fn default_denoiser_dir() -> PathBuf {
+    PathBuf::from("runs/sas/denoiser-9x9")
+}
+
+// ---------------------------------------------------------------------------------------------
+// mdm_sudoku
+
+/// The task-specific part of an `mdm_sudoku` recipe.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct MdmRecipe {
+    /// The denoiser: a bidirectional transformer encoder with absolute cell/row/column/box
+    /// embeddings over the Sudoku tokens (0 = mask, 1..=side = digits).
+    pub model: DenoiserConfig,
+    /// Masked-diffusion pre-training (LLaDA objective: t ~ U(t_min, 1), blanks masked with
+    /// probability t, givens never masked, 1/t-weighted cross-entropy on masked cells).
+    pub pretrain: PretrainConfig,
+    /// Where the denoiser is written (`denoiser.bpk` + `denoiser.json`); the `sas` recipe reads
+    /// it from the same place.
+    pub denoiser_dir: PathBuf,
+}
+
+impl Default for MdmRecipe {
+    fn default() -> Self {
+        Self {
+            model: DenoiserConfig::default(),
+            pretrain: PretrainConfig::default(),
+            denoiser_dir: default_denoiser_dir(),
+        }
+    }
+}
+
+fn check_model(raw: &RawRecipe, model: &DenoiserConfig, side: usize) -> Result<(), RecipeError> {
+    let shape = Shape::from_side(side)
+        .ok_or_else(|| invalid(raw, "pretrain.data.side", "must be 4 or 9"))?;
+    check_denoiser_config(model, shape).map_err(|m| invalid(raw, "model", m))
+}
+
+impl MdmRecipe {
+    /// Range checks.
+    pub fn validate(&self, raw: &RawRecipe) -> Result<(), RecipeError> {
+        check_pair(raw, check_pretrain(&self.pretrain))?;
+        check_model(raw, &self.model, self.pretrain.data.side)?;
+        Checker::new(raw).require(
+            !self.denoiser_dir.as_os_str().is_empty(),
+            "denoiser_dir",
+            "must not be empty",
+        )
+    }
+}
+
+fn open_tracker(
+    common: &CommonConfig,
+    resolved: &serde_json::Value,
+    run_dir: &Path,
+) -> anyhow::Result<kiln_track::Tracker> {
+    let name = run_dir
+        .file_name()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_default();
+    kiln_track::Tracker::open(
+        &common.logging,
+        kiln_track::RunInfo {
+            run_dir,
+            name: &name,
+            config: resolved,
+            resume_from_step: None,
+        },
+    )
+    .context("opening the experiment trackers")
+}
+
+/// Pre-train the denoiser of an `mdm_sudoku` recipe, logging to the run's trackers.
+pub fn train_mdm(
+    common: &CommonConfig,
+    recipe: &MdmRecipe,
+    resolved: &serde_json::Value,
+    run_dir: &Path,
+) -> anyhow::Result<()> {
+    let device = run::device_for(common.backend)?;
+    let mut tracker = open_tracker(common, resolved, run_dir)?;
+    let result = pretrain_denoiser(
+        common,
+        &recipe.model,
+        &recipe.pretrain,
+        &recipe.denoiser_dir,
+        &device,
+        Some(&mut tracker),
+    );
+    let code = if result.is_ok() { 0 } else { 1 };
+    if let Err(e) = tracker.finish(code) {
+        tracing::warn!("finishing the trackers: {e}");
+    }
+    let (_, summary) = result?;
+    println!(
+        "\ndenoiser pre-trained: {} steps in {:.1}s ({:.3} steps/s), final loss {:.4}, {} parameters -> {}",
+        summary.steps,
+        summary.wall_s,
+        summary.steps_per_s,
+        summary.final_loss,
+        summary.params,
+        recipe.denoiser_dir.display()
+    );
+    Ok(())
+}
+
+fn pretrain_denoiser(
+    common: &CommonConfig,
+    model: &DenoiserConfig,
+    cfg: &PretrainConfig,
+    dir: &Path,
+    device: &Device,
+    mut tracker: Option<&mut kiln_track::Tracker>,
+) -> anyhow::Result<(SudokuDenoiser, kiln_sas::denoiser::PretrainSummary)> {
+    let t = std::time::Instant::now();
+    let puzzles = cfg
+        .data
+        .load()
+        .context("loading the pre-training puzzles")?;
+    tracing::info!(
+        "denoiser pre-training: {} puzzles ({:.1}s to load/generate), {} steps x {} boards",
+        puzzles.len(),
+        t.elapsed().as_secs_f64(),
+        cfg.steps,
+        cfg.batch_size
+    );
+    let mut sink = |step: u64, m: &[(&str, f64)]| {
+        if let Some(tr) = tracker.as_deref_mut() {
+            let row: BTreeMap<String, f64> = m.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+            tr.log(step, &row);
+        }
+    };
+    let out = pretrain(model, cfg, &puzzles, device, common.seed, dir, &mut sink)?;
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// sas
+
+/// One held-out evaluation set.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(default)]
+pub struct EvalSetConfig {
+    /// Label in the tables.
+    pub name: String,
+    /// A puzzle file (81-char lines, JSONL with solutions, or the 4x4 CSV); empty = generate.
+    pub path: PathBuf,
+    /// Generated puzzles (used when `path` is empty); use a seed no training set uses.
+    pub generated: PuzzleSetConfig,
+    /// Use at most this many puzzles (0 = all).
+    pub limit: usize,
+}
+
+impl Default for EvalSetConfig {
+    fn default() -> Self {
+        Self {
+            name: "generated".into(),
+            path: PathBuf::new(),
+            generated: PuzzleSetConfig {
+                count: 1000,
+                givens: vec![30],
+                seed: 303,
+                ..Default::default()
+            },
+            limit: 0,
+        }
+    }
+}
+
+impl EvalSetConfig {
+    fn load(&self) -> anyhow::Result<Vec<Puzzle>> {
+        let mut ps = if self.path.as_os_str().is_empty() {
+            self.generated.load()?
+        } else {
+            let l = load_file(&self.path, LoadOptions::strict())
+                .with_context(|| format!("loading evaluation set `{}`", self.name))?;
+            l.puzzles
+        };
+        if self.limit > 0 {
+            ps.truncate(self.limit);
+        }
+        Ok(ps)
+    }
+}
+
+/// The evaluation table at the end of a `sas` run (and of `kiln eval`).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(default)]
+pub struct FinalEvalConfig {
+    /// Held-out sets (the paper's protocol: 1,000 generated puzzles plus magictour_top1465).
+    pub sets: Vec<EvalSetConfig>,
+    /// Schedules in the table (`learned` = the trained policy).
+    pub schedules: Vec<Schedule>,
+    /// Schedules also run with the stage-2 denoiser (rows `<schedule>+stage2`).
+    pub stage2_schedules: Vec<Schedule>,
+    /// Decoding protocol of the table.
+    pub decode: DecodeConfig,
+    /// Puzzles drawn in the unmasking-order image (0 = no image).
+    pub image_puzzles: usize,
+    /// Seed of the random schedule and of the bootstrap.
+    pub seed: u64,
+}
+
+impl Default for FinalEvalConfig {
+    fn default() -> Self {
+        Self {
+            sets: vec![
+                EvalSetConfig::default(),
+                EvalSetConfig {
+                    name: "magictour_top1465".into(),
+                    path: PathBuf::from("../shared/datasets/sudoku/magictour_top1465.jsonl"),
+                    ..Default::default()
+                },
+            ],
+            schedules: vec![
+                Schedule::Random,
+                Schedule::LeftToRight,
+                Schedule::Expert,
+                Schedule::Confidence,
+                Schedule::Margin,
+                Schedule::Entropy,
+                Schedule::Learned,
+            ],
+            stage2_schedules: vec![Schedule::Margin, Schedule::Confidence, Schedule::Learned],
+            decode: DecodeConfig::default(),
+            image_puzzles: 3,
+            seed: 7,
+        }
+    }
+}
+
+/// The task-specific part of a `sas` recipe.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct SasRecipe {
+    /// The frozen denoiser: read from here; pre-trained with `model` + `pretrain` when absent.
+    pub denoiser_dir: PathBuf,
+    /// Denoiser architecture used when it must be pre-trained (see `kiln recipes --explain
+    /// mdm_sudoku`).
+    pub model: DenoiserConfig,
+    /// Denoiser pre-training used when `denoiser_dir` has no denoiser.
+    pub pretrain: PretrainConfig,
+    /// The order policy (MLP over per-position denoiser features).
+    pub policy: PolicyConfig,
+    /// GRPO rollouts: puzzles per step, group size, training / periodic-evaluation puzzles.
+    pub sas: SasConfig,
+    /// Stage 2: fine-tune the denoiser along orders from the trained policy (`sas_sudoku_stage2`).
+    pub stage2: Stage2Config,
+    /// The evaluation table printed at the end.
+    pub final_eval: FinalEvalConfig,
+}
+
+impl Default for SasRecipe {
+    fn default() -> Self {
+        Self {
+            denoiser_dir: default_denoiser_dir(),
+            model: DenoiserConfig::default(),
+            pretrain: PretrainConfig::default(),
+            policy: PolicyConfig::default(),
+            sas: SasConfig::default(),
+            stage2: Stage2Config::default(),
+            final_eval: FinalEvalConfig::default(),
+        }
+    }
+}
+
+impl SasRecipe {
+    /// Range checks.
+    pub fn validate(&self, raw: &RawRecipe) -> Result<(), RecipeError> {
+        let c = Checker::new(raw);
+        check_pair(raw, check_pretrain(&self.pretrain))?;
+        check_model(raw, &self.model, self.pretrain.data.side)?;
+        check_pair(raw, check_puzzle_set(&self.sas.train, "sas.train"))?;
+        check_pair(raw, check_puzzle_set(&self.sas.eval, "sas.eval"))?;
+        c.require(
+            self.sas.train.side == self.pretrain.data.side
+                && self.sas.eval.side == self.pretrain.data.side,
+            "sas.train.side",
+            "training, evaluation and pre-training puzzles must have the same side",
+        )?;
+        c.require(
+            self.sas.puzzles_per_step >= 1,
+            "sas.puzzles_per_step",
+            "must be >= 1",
+        )?;
+        c.require(
+            self.sas.group_size >= 2,
+            "sas.group_size",
+            format!(
+                "must be >= 2 (a group baseline needs two orders), got {}",
+                self.sas.group_size
+            ),
+        )?;
+        for (p, d) in [
+            ("sas.decode", &self.sas.decode),
+            ("final_eval.decode", &self.final_eval.decode),
+        ] {
+            c.require(d.per_step >= 1, &format!("{p}.per_step"), "must be >= 1")?;
+            c.require(
+                d.batch_size >= 1,
+                &format!("{p}.batch_size"),
+                "must be >= 1",
+            )?;
+        }
+        c.require(
+            self.sas.decode.per_step == 1,
+            "sas.decode.per_step",
+            "the policy is trained choosing one cell per step; set 1 (k per step is for final_eval.decode)",
+        )?;
+        c.require(
+            self.policy.hidden >= 1 && self.policy.hidden <= 4096,
+            "policy.hidden",
+            "must be in 1..=4096",
+        )?;
+        c.positive(self.policy.temperature, "policy.temperature")?;
+        c.require(
+            self.policy.init_confidence_weight.is_finite(),
+            "policy.init_confidence_weight",
+            "must be finite",
+        )?;
+        let s2 = &self.stage2;
+        if self.stage2.enabled {
+            c.require(s2.steps >= 1, "stage2.steps", "must be >= 1")?;
+            c.require(s2.batch_size >= 1, "stage2.batch_size", "must be >= 1")?;
+            c.positive(s2.lr, "stage2.lr")?;
+            c.non_negative(s2.aux_weight, "stage2.aux_weight")?;
+            c.require(
+                s2.orders_per_puzzle >= 1,
+                "stage2.orders_per_puzzle",
+                "must be >= 1",
+            )?;
+        }
+        for (k, s) in self.final_eval.sets.iter().enumerate() {
+            if s.path.as_os_str().is_empty() {
+                check_pair(
+                    raw,
+                    check_puzzle_set(&s.generated, &format!("final_eval.sets.{k}.generated")),
+                )?;
+            }
+        }
+        c.require(
+            !self.final_eval.schedules.is_empty(),
+            "final_eval.schedules",
+            "needs at least one schedule",
+        )?;
+        Ok(())
+    }
+}
+
+fn shape_of(side: usize) -> Shape {
+    Shape::from_side(side).unwrap_or(Shape::NINE)
+}
+
+/// The denoiser of a `sas` recipe: loaded, or pre-trained first when absent.
+fn resolve_denoiser(
+    common: &CommonConfig,
+    r: &SasRecipe,
+    device: &Device,
+) -> anyhow::Result<SudokuDenoiser> {
+    let shape = shape_of(r.pretrain.data.side);
+    if !denoiser_exists(&r.denoiser_dir) {
+        tracing::info!(
+            "no denoiser in {}: pre-training one first (recipes/mdm_sudoku.yaml does the same alone)",
+            r.denoiser_dir.display()
+        );
+        let (m, s) =
+            pretrain_denoiser(common, &r.model, &r.pretrain, &r.denoiser_dir, device, None)?;
+        tracing::info!(
+            "denoiser pre-trained in {:.1}s ({:.3} steps/s, final loss {:.4})",
+            s.wall_s,
+            s.steps_per_s,
+            s.final_loss
+        );
+        return Ok(m);
+    }
+    Ok(load_denoiser(&r.denoiser_dir, shape, device)?)
+}
+
+fn load_policy(r: &SasRecipe, path: &Path, device: &Device) -> anyhow::Result<OrderPolicy> {
+    let ckpt = resolve_checkpoint(path)?;
+    let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
+    OrderPolicy::init(&r.policy, shape_of(r.pretrain.data.side), device)
+        .try_load_file(&mp)
+        .map_err(|e| anyhow::anyhow!("{}: cannot load the order policy: {e}", mp.display()))
+}
+
+/// A checkpoint directory from a checkpoint or a run directory.
+pub fn resolve_checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
+    if path.join(kiln_rl::checkpoint::MODEL_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let mgr = kiln_rl::checkpoint::CheckpointManager::new(path, 1);
+    mgr.latest().map(|(_, p)| p).with_context(|| {
+        format!(
+            "{} is neither a checkpoint directory nor a run directory with checkpoints",
+            path.display()
+        )
+    })
+}
+
+/// Train the `sas` chain; returns nothing (tables are printed and written to `run_dir/eval`).
+pub fn train_sas(
+    common: &CommonConfig,
+    r: &SasRecipe,
+    resolved: &serde_json::Value,
+    run_dir: &Path,
+    resume: bool,
+) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let device = run::device_for(common.backend)?;
+    device.seed(common.seed);
+    let denoiser = resolve_denoiser(common, r, &device)?;
+    let t_pre = started.elapsed().as_secs_f64();
+    let policy = if !r.stage2.policy_from.as_os_str().is_empty() {
+        load_policy(r, &r.stage2.policy_from, &device)?
+    } else {
+        let train = r
+            .sas
+            .train
+            .load()
+            .context("loading the SAS training puzzles")?;
+        let eval = r
+            .sas
+            .eval
+            .load()
+            .context("loading the SAS evaluation puzzles")?;
+        let ad = device.clone().autodiff();
+        ad.seed(common.seed);
+        let policy = OrderPolicy::init(&r.policy, shape_of(r.pretrain.data.side), &ad);
+        tracing::info!(
+            "sas: order policy with {} parameters; {} training / {} evaluation puzzles; run directory {}",
+            policy.num_params(),
+            train.len(),
+            eval.len(),
+            run_dir.display()
+        );
+        let task = SasTask::new(
+            denoiser.clone(),
+            r.sas.clone(),
+            r.policy.clone(),
+            train,
+            eval,
+            common.seed,
+        );
+        let opts = TrainerOptions {
+            trainer: common.trainer.clone(),
+            algorithm: common.algorithm.clone(),
+            optim: common.optim.clone(),
+            run_dir: run_dir.to_path_buf(),
+            seed: common.seed,
+            progress: Some(run::progress_bar(common.trainer.steps)),
+        };
+        let shared = Arc::new(Mutex::new(None));
+        let mut trainer = Trainer::new(
+            task,
+            policy,
+            ad,
+            opts,
+            Box::new(run::SharedSink(shared.clone())),
+        );
+        let mut from = None;
+        if resume {
+            from = trainer
+                .resume()
+                .context("resuming from the newest checkpoint")?;
+        }
+        let name = run_dir
+            .file_name()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let tracker = kiln_track::Tracker::open(
+            &common.logging,
+            kiln_track::RunInfo {
+                run_dir,
+                name: &name,
+                config: resolved,
+                resume_from_step: if resume {
+                    Some(from.unwrap_or(0))
+                } else {
+                    None
+                },
+            },
+        )
+        .context("opening the experiment trackers")?;
+        *shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tracker);
+        let result = trainer.run();
+        let tracker = shared.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = tracker
+            && let Err(e) = t.finish(if result.is_ok() { 0 } else { 1 })
+        {
+            tracing::warn!("finishing the trackers: {e}");
+        }
+        let summary = result?;
+        println!(
+            "\nGRPO finished: {} steps in {:.1}s; last reward {:.3}",
+            summary.steps,
+            summary.wall_s,
+            summary.last.get("reward/mean").copied().unwrap_or(f64::NAN)
+        );
+        for (k, v) in &summary.eval {
+            println!("  {k:<28} {v:.4}");
+        }
+        trainer.model().valid()
+    };
+    let t_rl = started.elapsed().as_secs_f64() - t_pre;
+    let stage2_denoiser = if r.stage2.enabled {
+        let mut train = r.sas.train.load()?;
+        if r.stage2.puzzles > 0 {
+            train.truncate(r.stage2.puzzles);
+        }
+        let dir = run_dir.join("denoiser-stage2");
+        let mut sink = |_s: u64, _m: &[(&str, f64)]| {};
+        Some(stage2(
+            &denoiser,
+            &policy,
+            &r.stage2,
+            &train,
+            r.sas.decode.block_len,
+            r.policy.temperature,
+            &device,
+            common.seed,
+            &dir,
+            &mut sink,
+        )?)
+    } else {
+        None
+    };
+    let t_s2 = started.elapsed().as_secs_f64() - t_pre - t_rl;
+    final_eval(r, &denoiser, &policy, stage2_denoiser.as_ref(), run_dir)?;
+    let t_eval = started.elapsed().as_secs_f64() - t_pre - t_rl - t_s2;
+    println!(
+        "\nwall time: pre-training {t_pre:.0}s, policy {t_rl:.0}s, stage 2 {t_s2:.0}s, evaluation {t_eval:.0}s, total {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Run the evaluation table of `r.final_eval`, print it and write `run_dir/eval/`.
+fn final_eval(
+    r: &SasRecipe,
+    denoiser: &SudokuDenoiser,
+    policy: &OrderPolicy,
+    stage2: Option<&SudokuDenoiser>,
+    run_dir: &Path,
+) -> anyhow::Result<()> {
+    let fe = &r.final_eval;
+    let out_dir = run_dir.join("eval");
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let mut all_md = String::new();
+    for set in &fe.sets {
+        let puzzles = set.load()?;
+        if puzzles.is_empty() {
+            tracing::warn!("evaluation set `{}` is empty; skipped", set.name);
+            continue;
+        }
+        let t = std::time::Instant::now();
+        let mut outcomes = run_schedules(
+            denoiser,
+            Some(policy),
+            &puzzles,
+            &fe.schedules,
+            &fe.decode,
+            fe.seed,
+        );
+        if let Some(d2) = stage2 {
+            // Stage 2: the fine-tuned denoiser under the learned order and the best heuristics.
+            let s2: Vec<Schedule> = r
+                .final_eval
+                .stage2_schedules
+                .iter()
+                .copied()
+                .filter(|s| *s != Schedule::Random)
+                .collect();
+            for mut o in run_schedules(d2, Some(policy), &puzzles, &s2, &fe.decode, fe.seed) {
+                o.schedule = format!("{}+stage2", o.schedule);
+                outcomes.push(o);
+            }
+        }
+        let rep = report(&set.name, &outcomes, &fe.decode, fe.seed);
+        let md = markdown(&rep);
+        println!("\n{md}(evaluated in {:.0}s)", t.elapsed().as_secs_f64());
+        all_md.push_str(&md);
+        all_md.push('\n');
+        let safe: String = set
+            .name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "-_".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let jp = out_dir.join(format!("sudoku-{safe}.json"));
+        let json = serde_json::json!({
+            "report": rep,
+            "outcomes": outcomes,
+        });
+        std::fs::write(&jp, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("writing {}", jp.display()))?;
+        if fe.image_puzzles > 0 {
+            let pick: Vec<&ScheduleOutcome> = outcomes
+                .iter()
+                .filter(|o| {
+                    ["expert", "margin", "learned", "learned+stage2"].contains(&o.schedule.as_str())
+                })
+                .collect();
+            let png = out_dir.join(format!("orders-{safe}.png"));
+            let n = fe.image_puzzles.min(puzzles.len());
+            match draw_orders(&png, &puzzles[..n], &pick) {
+                Ok(()) => println!("unmasking orders: {}", png.display()),
+                Err(e) => tracing::warn!("could not draw {}: {e}", png.display()),
+            }
+        }
+    }
+    let mp = out_dir.join("sudoku.md");
+    std::fs::write(&mp, &all_md).with_context(|| format!("writing {}", mp.display()))?;
+    println!("tables: {}", mp.display());
+    Ok(())
+}
+
+/// `kiln eval` of a `sas` run: the final-evaluation table with the run's denoiser (the stage-2
+/// denoiser when the run has one) and the checkpoint's policy.
+pub fn eval_sas(
+    r: &SasRecipe,
+    common: &CommonConfig,
+    ckpt: &Path,
+    run_dir: &Path,
+) -> anyhow::Result<()> {
+    let device = run::device_for(common.backend)?;
+    let shape = shape_of(r.pretrain.data.side);
+    let denoiser = load_denoiser(&r.denoiser_dir, shape, &device)?;
+    let s2dir = run_dir.join("denoiser-stage2");
+    let s2 = if denoiser_exists(&s2dir) {
+        Some(load_denoiser(&s2dir, shape, &device)?)
+    } else {
+        None
+    };
+    let policy = load_policy(r, ckpt, &device)?;
+    final_eval(r, &denoiser, &policy, s2.as_ref(), run_dir)
+}
+
+// ---------------------------------------------------------------------------------------------
+// sas_gsm8k
+
+/// The task-specific part of a `sas_gsm8k` recipe.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct GsmRecipe {
+    /// The masked-diffusion LM. On CPU: a tiny byte-level preset (vocab 256, mask 255) as a
+    /// smoke test of the pipeline; its pass@1 is 0 by construction.
+    pub model: TransformerConfig,
+    /// GSM8K JSONL (`question`, `answer` ending in `#### N`).
+    pub data: PathBuf,
+    /// Problems evaluated (0 = all).
+    pub limit: usize,
+    /// Prompt template; `{question}` is replaced by the question.
+    pub prompt: String,
+    /// Longest prompt in tokens (longer prompts keep their last tokens).
+    pub max_prompt_tokens: usize,
+    /// LLaDA-style decoding protocol (logged with the result).
+    pub decode: LladaDecodeConfig,
+    /// Problems decoded together.
+    pub batch_size: usize,
+}
+
+impl Default for GsmRecipe {
+    fn default() -> Self {
+        Self {
+            model: TransformerConfig {
+                model_type: "llada".into(),
+                vocab_size: 256,
+                hidden_size: 64,
+                intermediate_size: 128,
+                num_hidden_layers: 2,
+                num_attention_heads: 4,
+                num_key_value_heads: Some(4),
+                max_position_embeddings: 1024,
+                causal: false,
+                mask_token_id: Some(255),
+                ..TransformerConfig::default()
+            },
+            data: PathBuf::from("../shared/datasets/gsm8k/test.jsonl"),
+            limit: 8,
+            prompt: "Question: {question}\nAnswer:".into(),
+            max_prompt_tokens: 192,
+            decode: LladaDecodeConfig {
+                gen_length: 32,
+                steps: 32,
+                block_length: 16,
+                schedule: Schedule::Confidence,
+            },
+            batch_size: 8,
+        }
+    }
+}
+
+impl GsmRecipe {
+    /// Range checks.
+    pub fn validate(&self, raw: &RawRecipe) -> Result<(), RecipeError> {
+        let c = Checker::new(raw);
+        self.model
+            .validate()
+            .map_err(|e| invalid(raw, "model", e.to_string()))?;
+        c.require(
+            !self.model.causal,
+            "model.causal",
+            "a masked diffusion LM is bidirectional: set causal: false",
+        )?;
+        c.require(
+            self.model.mask_token_id.is_some(),
+            "model.mask_token_id",
+            "a masked diffusion LM needs a mask token id",
+        )?;
+        c.require(
+            self.model.vocab_size >= 256,
+            "model.vocab_size",
+            "the byte-level tokenizer needs >= 256",
+        )?;
+        check_pair(raw, self.decode.check())?;
+        c.require(self.batch_size >= 1, "batch_size", "must be >= 1")?;
+        c.require(
+            self.max_prompt_tokens >= 1,
+            "max_prompt_tokens",
+            "must be >= 1",
+        )?;
+        c.require(
+            self.prompt.contains("{question}"),
+            "prompt",
+            "must contain `{question}`",
+        )
+    }
+}
+
+/// Byte-level tokenizer of the CPU smoke preset: bytes are tokens; the mask id never occurs in
+/// text (bytes equal to it are replaced by a space).
+fn byte_tokens(text: &str, mask: u32) -> Vec<u32> {
+    text.bytes()
+        .map(|b| if b as u32 == mask { 32 } else { b as u32 })
+        .collect()
+}
+
+/// GSM8K pass@1 with LLaDA-style decoding; writes `run_dir/eval/gsm8k.json` (protocol included).
+pub fn run_gsm8k(common: &CommonConfig, r: &GsmRecipe, run_dir: &Path) -> anyhow::Result<()> {
+    let device = run::device_for(common.backend)?;
+    device.seed(common.seed);
+    let model = r.model.init(&device);
+    let mask = r.model.mask_token_id.unwrap_or(0);
+    let mut problems = load_gsm8k(&r.data)?;
+    if r.limit > 0 {
+        problems.truncate(r.limit);
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(common.seed);
+    let vocab = r.model.vocab_size;
+    let mut forward = |toks: &[u32], b: usize, len: usize| -> Vec<f32> {
+        let data: Vec<i64> = toks.iter().map(|&t| t as i64).collect();
+        let t = Tensor::<2, Int>::from_data(TensorData::new(data, [b, len]), &device);
+        log_softmax(model.forward(t), 2)
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec()
+            .unwrap_or_default()
+    };
+    let mut rows = Vec::new();
+    let mut correct = 0usize;
+    let t = std::time::Instant::now();
+    for chunk in problems.chunks(r.batch_size) {
+        // Left-pad prompts with spaces to equal length (the denoiser is bidirectional; the
+        // smoke preset has no pad token).
+        let mut prompts: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|p| {
+                let mut toks = byte_tokens(&r.prompt.replace("{question}", &p.question), mask);
+                if toks.len() > r.max_prompt_tokens {
+                    toks.drain(..toks.len() - r.max_prompt_tokens);
+                }
+                toks
+            })
+            .collect();
+        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        for p in prompts.iter_mut() {
+            let mut padded = vec![32u32; width - p.len()];
+            padded.extend_from_slice(p);
+            *p = padded;
+        }
+        let outs = llada_generate(&mut forward, vocab, &prompts, &r.decode, mask, &mut rng);
+        for (p, o) in chunk.iter().zip(outs) {
+            let text: String = o.iter().map(|&b| (b.min(255) as u8) as char).collect();
+            let pred = extract_answer(&text);
+            let ok = answers_match(pred, p.gold);
+            correct += ok as usize;
+            rows.push(
+                serde_json::json!({"gold": p.gold, "pred": pred, "correct": ok, "output": text}),
+            );
+        }
+    }
+    let n = problems.len().max(1);
+    let pass1 = correct as f64 / n as f64;
+    let out_dir = run_dir.join("eval");
+    std::fs::create_dir_all(&out_dir)?;
+    let path = out_dir.join("gsm8k.json");
+    let json = serde_json::json!({
+        "pass@1": pass1,
+        "problems": problems.len(),
+        "protocol": {"decode": r.decode, "prompt": r.prompt, "max_prompt_tokens": r.max_prompt_tokens, "model": r.model},
+        "rows": rows,
+    });
+    std::fs::write(&path, serde_json::to_vec_pretty(&json)?)?;
+    println!(
+        "GSM8K pass@1 = {:.1}% ({correct}/{}) with gen_length {}, steps {}, block_length {}, schedule {} in {:.1}s\nreport: {}",
+        100.0 * pass1,
+        problems.len(),
+        r.decode.gen_length,
+        r.decode.steps,
+        r.decode.block_length,
+        r.decode.schedule,
+        t.elapsed().as_secs_f64(),
+        path.display()
+    );
+    Ok(())
+}
