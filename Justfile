@@ -2,7 +2,7 @@
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
-cargo_release := "cargo build --release --locked -p kiln-cli"
+cargo_release := "cargo build --release -p kiln-cli"
 kiln := "target/release/kiln"
 
 # Show the recipes.
@@ -33,15 +33,15 @@ eval *ARGS: build
 # Run the test suite (release build: numerics in debug are 10-50x slower). One build of every
 # target (binary included, which the end-to-end tests drive), then the tests.
 test: setup-test
-    cargo build --release --locked --workspace --all-targets
-    cargo test --release --locked --workspace
+    cargo build --release --workspace --all-targets
+    cargo test --release --workspace
 
 # Benchmarks (long; not part of `just test`).
 bench: build
     bash scripts/bench/grpo_sequence.sh
     bash scripts/retrieval/bench.sh
-    cargo run --release --locked -p kiln-sas --example sudoku_stats
-    cargo run --release --locked -p kiln-search --example synthetic_world
+    cargo run --release -p kiln-sas --example sudoku_stats
+    cargo run --release -p kiln-search --example synthetic_world
 
 # Format the code.
 fmt:
@@ -50,15 +50,15 @@ fmt:
 # Lints (warnings are errors).
 lint:
     cargo fmt --all -- --check
-    cargo clippy --release --locked --workspace --all-targets -- -D warnings
+    cargo clippy --release --workspace --all-targets -- -D warnings
 
 # Keep the CUDA path compiling without a GPU or the LLVM download (see STACK.md).
 check-cuda:
-    DOCS_RS=1 cargo check --locked -p kiln-cli --features cuda
+    DOCS_RS=1 cargo check -p kiln-cli --features cuda
 
 # A few GRPO steps on the wgpu backend (Mesa lavapipe on a CPU-only machine).
 smoke-wgpu:
-    cargo build --release --locked -p kiln-cli --features wgpu
+    cargo build --release -p kiln-cli --features wgpu
     d=$(mktemp -d) && cp -r configs recipes "$d" && cd "$d" && \
       {{justfile_directory()}}/target/release/kiln train recipes/grpo_sequence.yaml \
       --set backend=wgpu --set trainer.steps=3 --set trainer.eval_every=0 \
