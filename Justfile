@@ -3,7 +3,8 @@
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
 cargo_release := "cargo build --release -p kiln-cli"
-kiln := "target/release/kiln"
+target_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() + "/target")
+kiln := target_dir + "/release/kiln"
 
 # Show the recipes.
 default:
@@ -42,6 +43,8 @@ bench: build
     bash scripts/retrieval/bench.sh
     cargo run --release -p kiln-sas --example sudoku_stats
     cargo run --release -p kiln-search --example synthetic_world
+    cargo run --release -p kiln-lm --example bench_smollm2
+    @echo "PyTorch side of the SmolLM2 bench: python scripts/lm/bench_torch.py GGUF_PATH (path in .kiln/models.json; needs torch, transformers, gguf)"
 
 # Format the code.
 fmt:
@@ -60,7 +63,7 @@ check-cuda:
 smoke-wgpu:
     cargo build --release -p kiln-cli --features wgpu
     d=$(mktemp -d) && cp -r configs recipes "$d" && cd "$d" && \
-      {{justfile_directory()}}/target/release/kiln train recipes/grpo_sequence.yaml \
+      {{kiln}} train recipes/grpo_sequence.yaml \
       --set backend=wgpu --set trainer.steps=3 --set trainer.eval_every=0 \
       --set sequence.eval_prompts=16 --set logging.plots=false && \
       test -s runs/*/metrics.jsonl && echo "wgpu smoke test passed"

@@ -3,7 +3,7 @@
 # peak resident memory of the training process. Runs in a scratch directory; prints one table.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-kiln="$root/target/release/kiln"
+kiln="${CARGO_TARGET_DIR:-$root/target}/release/kiln"
 steps="${BENCH_STEPS:-40}"
 d=$(mktemp -d)
 trap 'rm -rf "$d"' EXIT
