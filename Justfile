@@ -35,7 +35,7 @@ eval *ARGS: build
 # target (binary included, which the end-to-end tests drive), then the tests.
 test: setup-test
     cargo build --release --workspace --all-targets
-    cargo test --release --workspace
+    cargo test --release --workspace --no-fail-fast
 
 # Benchmarks (long; not part of `just test`).
 bench: build
