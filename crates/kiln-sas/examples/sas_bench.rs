@@ -68,6 +68,58 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         s.steps_per_s,
         1.0 / s.steps_per_s
     );
+    // SAS training steps (GRPO over the frozen denoiser): step time and the denoiser's share.
+    use kiln_sas::policy::{OrderPolicy, PolicyConfig};
+    use kiln_sas::task::{SasConfig, SasTask};
+    let sas = SasConfig::default();
+    let train = kiln_sas::denoiser::PuzzleSetConfig {
+        count: 64,
+        givens: vec![36],
+        ..Default::default()
+    }
+    .load()?;
+    let denoiser = cfg.init(&device);
+    let task = SasTask::new(
+        denoiser,
+        sas.clone(),
+        PolicyConfig::default(),
+        train.clone(),
+        Vec::new(),
+        0,
+    );
+    let ad = device.clone().autodiff();
+    let policy = OrderPolicy::init(&PolicyConfig::default(), kiln_sas::sudoku::Shape::NINE, &ad);
+    let opts = kiln_rl::TrainerOptions {
+        trainer: kiln_rl::TrainerConfig {
+            steps: 3,
+            checkpoint_every: 0,
+            mini_batch_size: 32,
+            ..Default::default()
+        },
+        algorithm: kiln_rl::LossConfig {
+            kl_beta: 0.0,
+            ..Default::default()
+        },
+        optim: kiln_rl::OptimConfig {
+            lr: 1e-3,
+            ..Default::default()
+        },
+        run_dir: dir.clone(),
+        seed: 0,
+        progress: None,
+    };
+    let mut trainer = kiln_rl::Trainer::new(task, policy, ad, opts, Box::new(kiln_rl::NullSink));
+    for _ in 0..3 {
+        let m = trainer.train_step()?;
+        let step = m["time/step_s"];
+        let den = m["time/denoiser_s"];
+        println!(
+            "SAS step ({} puzzles x G={}, 45 blanks): {step:.2} s, denoiser forwards {den:.2} s ({:.0}%)",
+            sas.puzzles_per_step,
+            sas.group_size,
+            100.0 * den / step
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -608,7 +608,11 @@ pub fn stage2(
     );
     // 2. Fine-tune.
     let ad = device.clone().autodiff();
-    let mut model = denoiser.clone().fork(&ad);
+    // A fresh autodiff module (tracked leaves) loaded with the stage-1 weights.
+    let mut model = denoiser
+        .config()
+        .init(&ad)
+        .load_record(denoiser.clone().into_record());
     let optim_cfg = kiln_rl::OptimConfig {
         lr: cfg.lr,
         weight_decay: 0.0,
@@ -746,6 +750,42 @@ mod tests {
         for (a, b) in again.iter().flatten().zip(ro.step_rewards.iter().flatten()) {
             assert!((a - b).abs() < 1e-4);
         }
+    }
+
+    #[test]
+    fn stage2_fine_tunes_and_saves_the_denoiser() {
+        let (model, pol, ps) = setup();
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Stage2Config {
+            enabled: true,
+            steps: 3,
+            batch_size: 4,
+            lr: 1e-2,
+            log_every: 0,
+            ..Default::default()
+        };
+        let mut sink = |_s: u64, _m: &[(&str, f64)]| {};
+        let tuned = stage2(
+            &model,
+            &pol,
+            &cfg,
+            &ps,
+            0,
+            1.0,
+            &Device::flex(),
+            0,
+            dir.path(),
+            &mut sink,
+        )
+        .unwrap();
+        let toks = vec![0u32; 81];
+        let a = digit_log_probs(&model, &toks, 1, 81);
+        let b = digit_log_probs(&tuned, &toks, 1, 81);
+        assert!(
+            a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-6),
+            "stage 2 changed nothing"
+        );
+        assert!(crate::denoiser::denoiser_exists(dir.path()));
     }
 
     #[test]
