@@ -695,6 +695,30 @@ pub fn eval_sas(
     final_eval(r, &denoiser, &policy, s2.as_ref(), run_dir)
 }
 
+/// `kiln eval CHECKPOINT --task sudoku --data PATH`: the evaluation table of a `sas` run's
+/// policy (and its denoiser) on one puzzle file instead of the recipe's `final_eval.sets`.
+#[allow(dead_code)] // called once main.rs grows `kiln eval --task sudoku --data PATH`
+pub fn eval_sudoku_file(
+    r: &SasRecipe,
+    common: &CommonConfig,
+    ckpt: &Path,
+    run_dir: &Path,
+    data: &Path,
+) -> anyhow::Result<()> {
+    let mut r = r.clone();
+    let name = data
+        .file_stem()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_else(|| "data".into());
+    r.final_eval.sets = vec![EvalSetConfig {
+        name,
+        path: data.to_path_buf(),
+        limit: 0,
+        ..Default::default()
+    }];
+    eval_sas(&r, common, ckpt, run_dir)
+}
+
 // ---------------------------------------------------------------------------------------------
 // sas_gsm8k
 
