@@ -100,7 +100,7 @@ impl<D> Rollout<D> {
         if n == 0 {
             return bad("the task produced an empty rollout batch".into());
         }
-        if self.group_size == 0 || n % self.group_size != 0 {
+        if self.group_size == 0 || !n.is_multiple_of(self.group_size) {
             return bad(format!(
                 "{n} trajectories are not a whole number of groups of {}",
                 self.group_size
@@ -638,7 +638,7 @@ impl<T: RlTask> Trainer<T> {
             let mut m = self.train_step()?;
             let step = self.step;
             let last = step == cfg.steps;
-            if (cfg.eval_every > 0 && step % cfg.eval_every == 0) || last {
+            if (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) || last {
                 let ev = self.evaluate()?;
                 for (k, v) in &ev {
                     m.insert(k.clone(), *v);
@@ -651,7 +651,9 @@ impl<T: RlTask> Trainer<T> {
             let reward = m.get("reward/mean").copied().unwrap_or(f64::NAN);
             pb.set_message(format!("reward {reward:.3}"));
             pb.set_position(step);
-            if cfg.log_every > 0 && (step % cfg.log_every == 0 || last || step == start_step + 1) {
+            if cfg.log_every > 0
+                && (step.is_multiple_of(cfg.log_every) || last || step == start_step + 1)
+            {
                 let done = (step - start_step) as f64;
                 let eta = started.elapsed().as_secs_f64() / done * (cfg.steps - step) as f64;
                 let extra: String = m
@@ -659,20 +661,19 @@ impl<T: RlTask> Trainer<T> {
                     .filter(|(k, _)| k.starts_with("eval/"))
                     .map(|(k, v)| format!(" {k} {v:.4}"))
                     .collect();
-                pb.suspend(|| {
-                    tracing::info!(
-                        "step {step}/{} reward {reward:.4} kl {:.5} clip {:.3} grad_norm {:.3} \
-                         {:.2}s/step ETA {:.0}s{extra}",
-                        cfg.steps,
-                        m.get("kl/ref").copied().unwrap_or(0.0),
-                        m.get("clip_frac").copied().unwrap_or(0.0),
-                        m.get("grad_norm").copied().unwrap_or(0.0),
-                        m.get("time/step_s").copied().unwrap_or(0.0),
-                        eta
-                    )
-                });
+                // No pb.suspend here: a tracing writer may suspend the bar itself (re-entrant lock).
+                tracing::info!(
+                    "step {step}/{} reward {reward:.4} kl {:.5} clip {:.3} grad_norm {:.3} \
+                     {:.2}s/step ETA {:.0}s{extra}",
+                    cfg.steps,
+                    m.get("kl/ref").copied().unwrap_or(0.0),
+                    m.get("clip_frac").copied().unwrap_or(0.0),
+                    m.get("grad_norm").copied().unwrap_or(0.0),
+                    m.get("time/step_s").copied().unwrap_or(0.0),
+                    eta
+                )
             }
-            if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) || last {
+            if (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)) || last {
                 self.save_checkpoint()?;
             }
             summary.last = m;

@@ -418,7 +418,18 @@ pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
         "sas" => {
             let l = load_typed::<sas::SasRecipe>(&raw)?;
             l.task.validate(&raw)?;
-            sas::eval_sas(&l.task, &l.common, &ckpt, &run_dir)?;
+            match (req.task.as_deref(), req.data.as_deref()) {
+                (None | Some("sudoku") | Some("sas"), Some(data)) => {
+                    sas::eval_sudoku_file(&l.task, &l.common, &ckpt, &run_dir, Path::new(data))?
+                }
+                (None | Some("sudoku") | Some("sas"), None) => {
+                    sas::eval_sas(&l.task, &l.common, &ckpt, &run_dir)?
+                }
+                (Some(other), _) => anyhow::bail!(
+                    "`kiln eval` of a `sas` run supports --task sudoku (with --data PATH for a puzzle \
+                     file); `{other}` is not available for it yet"
+                ),
+            }
             Ok(BTreeMap::new())
         }
         "mdm_sudoku" | "sas_gsm8k" => anyhow::bail!(
