@@ -43,6 +43,7 @@ bench: build
     bash scripts/retrieval/bench.sh
     cargo run --release -p kiln-sas --example sudoku_stats
     cargo run --release -p kiln-search --example synthetic_world
+    cargo run --release -p kiln-sas --example sas_bench
     cargo run --release -p kiln-lm --example bench_smollm2
     @echo "PyTorch side of the SmolLM2 bench: python scripts/lm/bench_torch.py GGUF_PATH (path in .kiln/models.json; needs torch, transformers, gguf)"
 
