@@ -222,6 +222,18 @@ fn prepare_run_dir(
     }
 }
 
+/// Trainer options of a run from its shared recipe fields (with a console progress bar).
+fn trainer_options(common: &CommonConfig, run_dir: &Path) -> TrainerOptions {
+    TrainerOptions {
+        trainer: common.trainer.clone(),
+        algorithm: common.algorithm.clone(),
+        optim: common.optim.clone(),
+        run_dir: run_dir.to_path_buf(),
+        seed: common.seed,
+        progress: Some(run::progress_bar(common.trainer.steps)),
+    }
+}
+
 /// Run the generic trainer on a task and finish the tracker.
 fn drive<T: kiln_rl::RlTask>(
     task: T,
@@ -232,14 +244,7 @@ fn drive<T: kiln_rl::RlTask>(
     run_dir: &Path,
     resume: bool,
 ) -> anyhow::Result<()> {
-    let opts = TrainerOptions {
-        trainer: common.trainer.clone(),
-        algorithm: common.algorithm.clone(),
-        optim: common.optim.clone(),
-        run_dir: run_dir.to_path_buf(),
-        seed: common.seed,
-        progress: Some(run::progress_bar(common.trainer.steps)),
-    };
+    let opts = trainer_options(common, run_dir);
     let shared = Arc::new(Mutex::new(None));
     let mut trainer = Trainer::new(
         task,

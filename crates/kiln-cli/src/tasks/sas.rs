@@ -18,7 +18,7 @@ use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_lm::TransformerConfig;
-use kiln_rl::{Trainer, TrainerOptions};
+use kiln_rl::Trainer;
 use kiln_sas::denoiser::{
     DenoiserConfig, PretrainConfig, PuzzleSetConfig, SudokuDenoiser, check_denoiser_config,
     check_pretrain, check_puzzle_set, denoiser_exists, load_denoiser, pretrain,
@@ -496,14 +496,7 @@ pub fn train_sas(
             eval,
             common.seed,
         );
-        let opts = TrainerOptions {
-            trainer: common.trainer.clone(),
-            algorithm: common.algorithm.clone(),
-            optim: common.optim.clone(),
-            run_dir: run_dir.to_path_buf(),
-            seed: common.seed,
-            progress: Some(run::progress_bar(common.trainer.steps)),
-        };
+        let opts = super::trainer_options(common, run_dir);
         let shared = Arc::new(Mutex::new(None));
         let mut trainer = Trainer::new(
             task,
