@@ -45,9 +45,18 @@ enum Command {
         /// Evaluation task when it differs from the run's task (e.g. `sudoku`, `gsm8k`, `qa`).
         #[arg(long)]
         task: Option<String>,
-        /// Evaluation data: a dataset name or a file path.
+        /// Evaluation data: a dataset name or a file path (`--task qa`: a comma list, or `synthetic`).
         #[arg(long)]
         data: Option<String>,
+        /// `--task qa`: the search engine, a `kiln index` directory or a retrieval server URL.
+        #[arg(long)]
+        retriever: Option<String>,
+        /// `--task qa`: `direct` (no retrieval), `rag` (retrieve once), `agent` (default: all three).
+        #[arg(long)]
+        mode: Option<String>,
+        /// At most this many questions per dataset.
+        #[arg(long)]
+        limit: Option<usize>,
     },
     /// List recipes with their descriptions, or document every field of a task.
     Recipes {
@@ -127,12 +136,18 @@ fn dispatch(cmd: Command) -> anyhow::Result<()> {
             sets,
             task,
             data,
+            retriever,
+            mode,
+            limit,
         } => {
             tasks::eval(tasks::EvalRequest {
                 checkpoint,
                 sets,
                 task,
                 data,
+                retriever,
+                mode,
+                limit,
             })?;
             Ok(())
         }

@@ -1,20 +1,27 @@
-//! kiln's Search-R2 task, model-independent part: answer metrics, the Search-R1 agent protocol as a pure state
-//! machine over text segments, the meta-refiner's text side, rewards, QA data loaders, the synthetic multi-hop
-//! world, and evaluation helpers.
+//! kiln's Search-R2 task (METHODS.md section 1).
 //!
-//! The model-driven layer (generation with kiln-lm, retrieval with kiln-retrieval, GRPO with kiln-rl) plugs in
-//! through [`rollout::TurnPolicy`] and [`rollout::SearchBackend`]; everything here is deterministic text/data logic.
+//! Text and data layer (no model): answer metrics ([`answer`]), the Search-R1 agent protocol as a pure state
+//! machine over text segments ([`protocol`]), the batched multi-turn loop ([`rollout`]), the meta-refiner's text
+//! side ([`refiner`]), rewards ([`reward`]), QA loaders ([`data`]), the synthetic multi-hop world
+//! ([`synthetic`]), one rollout batch / evaluation pass ([`task`]) and reports ([`eval`]).
+//!
+//! Model layer: a kiln-lm transformer as actor and refiner and a kiln-retrieval retriever as the search engine
+//! ([`agent`]), joint GRPO through kiln-rl ([`grpo`]), and the supervised warm start of a policy trained from
+//! random initialisation ([`warmstart`]).
 
+pub mod agent;
 pub mod answer;
 pub mod cli;
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod grpo;
 pub mod protocol;
 pub mod refiner;
 pub mod reward;
 pub mod rollout;
 pub mod synthetic;
 pub mod task;
+pub mod warmstart;
 
 pub use error::Error;

@@ -530,7 +530,7 @@ pub fn loss_mask<'a>(
 }
 
 /// Protocol settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ProtocolConfig {
     /// Assistant turns per episode, the last one without search (default 4).

@@ -22,7 +22,7 @@ pub const REFINER_INSTRUCTIONS: &str = "You are reviewing a search agent's attem
 pub const REFINER_QUESTION: &str = "Problematic step index (0 = no issue):";
 
 /// Refiner settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RefinerConfig {
     /// Run the refiner in training rollouts (off = Search-R1).

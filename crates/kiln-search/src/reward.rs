@@ -250,7 +250,7 @@ pub fn parse_judge_verdict(text: &str) -> Option<bool> {
 }
 
 /// Reward settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RewardConfig {
     /// Add the process reward: `R = EM * (1 + r_process)` (off: `R = EM`, Search-R1).

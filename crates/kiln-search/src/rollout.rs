@@ -48,7 +48,9 @@ where
 }
 
 /// What to do when the search backend fails or returns garbage (a wrong number of result lists).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum OnSearchError {
     /// End the affected episodes with [`crate::protocol::EndReason::SearchFailed`] (logged; the caller skips or

@@ -39,7 +39,7 @@ use crate::rollout::{OnSearchError, ScriptedPolicy, SearchBackend, run_episodes}
 pub const GENERATOR_VERSION: u32 = 1;
 
 /// Entity and question counts of one split.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SplitConfig {
     /// Countries.
@@ -55,7 +55,7 @@ pub struct SplitConfig {
 }
 
 /// Shares of question kinds (normalised; need not sum to 1).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct QuestionMix {
     /// 1-hop questions.
@@ -77,7 +77,7 @@ impl Default for QuestionMix {
 }
 
 /// Parameters of a world.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorldConfig {
     /// RNG seed.

@@ -43,7 +43,7 @@ pub trait RefinerScorer {
 }
 
 /// Settings of a rollout batch.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct BatchConfig {
     /// Trajectories per question (GRPO group size G, default 5).

@@ -3,6 +3,7 @@
 
 pub mod grpo_sequence;
 pub mod sas;
+pub mod search;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,10 @@ pub const TASKS: &[TaskInfo] = &[
         summary: "SAS: learn the unmasking order of a frozen Sudoku denoiser with GRPO and the self-aware reward",
     },
     TaskInfo {
+        name: "search_r2",
+        summary: "Search-R2 / Search-R1: multi-turn search agent (+ meta-refiner) trained with joint GRPO over a BM25 retriever",
+    },
+    TaskInfo {
         name: "sas_gsm8k",
         summary: "GSM8K pass@1 of a masked diffusion LM with LLaDA-style decoding",
     },
@@ -52,6 +57,7 @@ pub fn schemas(task: &str) -> Option<Vec<schemars::Schema>> {
         "mdm_sudoku" => Some(vec![common, schema_of::<sas::MdmRecipe>()]),
         "sas" => Some(vec![common, schema_of::<sas::SasRecipe>()]),
         "sas_gsm8k" => Some(vec![common, schema_of::<sas::GsmRecipe>()]),
+        "search_r2" => Some(vec![common, schema_of::<search::SearchRecipe>()]),
         _ => None,
     }
 }
@@ -136,6 +142,11 @@ pub fn validate(raw: &RawRecipe) -> Result<serde_json::Value, RecipeError> {
             l.task.validate(raw)?;
             Ok(l.resolved)
         }
+        "search_r2" => {
+            let l = load_typed::<search::SearchRecipe>(raw)?;
+            l.task.validate(raw)?;
+            Ok(l.resolved)
+        }
         other => unreachable!("task {other} registered without a loader"),
     }
 }
@@ -197,6 +208,13 @@ pub fn train(req: TrainRequest) -> anyhow::Result<PathBuf> {
             l.task.validate(&req.raw)?;
             let (run_dir, _) = prepare_run_dir(&req, &l.common, &l.resolved)?;
             sas::run_gsm8k(&l.common, &l.task, &run_dir)?;
+            Ok(run_dir)
+        }
+        "search_r2" => {
+            let l = load_typed::<search::SearchRecipe>(&req.raw)?;
+            l.task.validate(&req.raw)?;
+            let (run_dir, resumed) = prepare_run_dir(&req, &l.common, &l.resolved)?;
+            search::train(&l.common, &l.task, &l.resolved, &run_dir, resumed)?;
             Ok(run_dir)
         }
         other => unreachable!("task {other} registered without a trainer"),
@@ -355,6 +373,12 @@ pub struct EvalRequest {
     pub task: Option<String>,
     /// `--data`: a dataset name or path.
     pub data: Option<String>,
+    /// `--retriever`: an index directory or a retrieval server URL (`--task qa`).
+    pub retriever: Option<String>,
+    /// `--mode`: `direct`, `rag`, `agent` or a comma list (`--task qa`; default all three).
+    pub mode: Option<String>,
+    /// `--limit`: at most this many questions per dataset.
+    pub limit: Option<usize>,
 }
 
 /// Find the checkpoint directory and run directory of `checkpoint`.
@@ -433,6 +457,26 @@ pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
                 (Some(other), _) => anyhow::bail!(
                     "`kiln eval` of a `sas` run supports --task sudoku (with --data PATH for a puzzle \
                      file); `{other}` is not available for it yet"
+                ),
+            }
+            Ok(BTreeMap::new())
+        }
+        "search_r2" => {
+            let l = load_typed::<search::SearchRecipe>(&raw)?;
+            l.task.validate(&raw)?;
+            match req.task.as_deref() {
+                None | Some("qa") | Some("search_r2") => search::eval_qa(
+                    &l.common,
+                    &l.task,
+                    &ckpt,
+                    &run_dir,
+                    req.data.as_deref(),
+                    req.retriever.as_deref(),
+                    req.mode.as_deref(),
+                    req.limit,
+                )?,
+                Some(other) => anyhow::bail!(
+                    "`kiln eval` of a `search_r2` run supports --task qa; `{other}` does not apply"
                 ),
             }
             Ok(BTreeMap::new())

@@ -1,0 +1,342 @@
+//! The model-driven layer: a kiln-lm [`Transformer`] as the actor ([`LmActor`], a [`TurnPolicy`]) and as the
+//! meta-refiner ([`LmRefiner`], a [`RefinerScorer`]), and a kiln-retrieval `Retriever` as the search engine
+//! ([`RetrieverBackend`]).
+//!
+//! Token-in/token-out: the actor continues from the exact ids of the episode so far: the prompt's ids, the ids
+//! each earlier turn generated, and each observation tokenized once on its own ([`context_ids`]). The same
+//! segment-wise tokenization is used at train time ([`tokenize_episode`]), so the ids that are scored are the
+//! ids that were sampled.
+//!
+//! Model text is untrusted: a context longer than the model's window is never fed to it (the turn comes back
+//! empty, which the protocol treats as an invalid action), queries are bounded by the protocol, and nothing here
+//! panics on odd text.
+
+use std::sync::Arc;
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use kiln_lm::generate::{Detokenize, SamplingConfig, generate};
+use kiln_lm::{Tokenizer, Transformer};
+use rand_chacha::ChaCha8Rng;
+
+use crate::Error;
+use crate::protocol::{Episode, Generated, Passage, STOP_STRINGS, Trajectory};
+use crate::rollout::{SearchBackend, TurnPolicy, TurnRequest};
+use crate::task::{RefinerRequest, RefinerScorer};
+
+/// Encodes text without special tokens; errors become [`Error::Policy`].
+pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Error> {
+    tok.encode(text, false)
+        .map_err(|e| Error::Policy(format!("tokenizer: {e}")))
+}
+
+/// Sets the prompt's ids (once) and tokenizes every segment that has no ids yet (observations; policy segments
+/// of text-only turns), each on its own.
+pub fn tokenize_episode(tok: &Tokenizer, t: &mut Trajectory) -> Result<(), Error> {
+    if t.prompt_token_ids.is_none() {
+        t.prompt_token_ids = Some(encode(tok, &t.prompt)?);
+    }
+    let mut err = None;
+    t.tokenize_missing(|s| match encode(tok, s) {
+        Ok(ids) => ids,
+        Err(e) => {
+            err = Some(e);
+            Vec::new()
+        }
+    });
+    match err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// The ids the actor continues from: prompt ids + every segment's ids (segments without ids, such as fresh
+/// observations, are tokenized on their own, exactly as [`tokenize_episode`] will store them).
+pub fn context_ids(tok: &Tokenizer, ep: &Episode) -> Result<Vec<u32>, Error> {
+    let t = &ep.trajectory;
+    let mut ids = match &t.prompt_token_ids {
+        Some(p) => p.clone(),
+        None => encode(tok, &t.prompt)?,
+    };
+    for seg in t.segments() {
+        match &seg.token_ids {
+            Some(s) => ids.extend_from_slice(s),
+            None => ids.extend(encode(tok, &seg.text)?),
+        }
+    }
+    Ok(ids)
+}
+
+struct Detok<'a>(&'a Tokenizer);
+
+impl Detokenize for Detok<'_> {
+    fn decode_ids(&self, ids: &[u32]) -> String {
+        self.0.decode(ids, true).unwrap_or_default()
+    }
+}
+
+/// The actor: one batched, KV-cached generation call per round for every episode that waits for a turn.
+pub struct LmActor<'a> {
+    /// The policy (a no-grad snapshot).
+    pub model: &'a Transformer,
+    /// Its tokenizer.
+    pub tokenizer: &'a Tokenizer,
+    /// Sampling settings (the stop strings `</search>`, `</answer>` are added).
+    pub sampling: SamplingConfig,
+    /// Sampling RNG.
+    pub rng: &'a mut ChaCha8Rng,
+    /// Requests per generation call (memory bound; 0 = all at once).
+    pub max_batch: usize,
+}
+
+impl<'a> LmActor<'a> {
+    /// An actor with `sampling` (the protocol's stop strings and the model's EOS are added).
+    pub fn new(
+        model: &'a Transformer,
+        tokenizer: &'a Tokenizer,
+        mut sampling: SamplingConfig,
+        rng: &'a mut ChaCha8Rng,
+    ) -> Self {
+        for s in STOP_STRINGS {
+            if !sampling.stop_strings.iter().any(|x| x == s) {
+                sampling.stop_strings.push(s.to_string());
+            }
+        }
+        let sampling = sampling.with_model_stops(model);
+        LmActor {
+            model,
+            tokenizer,
+            sampling,
+            rng,
+            max_batch: 0,
+        }
+    }
+}
+
+impl TurnPolicy for LmActor<'_> {
+    fn generate(&mut self, requests: &[TurnRequest<'_>]) -> Result<Vec<Generated>, Error> {
+        let window = self.model.config().max_position_embeddings;
+        let vocab = self.model.config().vocab_size;
+        let mut out: Vec<Option<Generated>> = vec![None; requests.len()];
+        // (request index, context ids, token budget); contexts that do not fit get an empty turn.
+        let mut todo: Vec<(usize, Vec<u32>, usize)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            let ids = context_ids(self.tokenizer, r.episode)?;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::Policy(format!(
+                    "token id {bad} is outside the model's vocabulary ({vocab}): tokenizer and model do not match"
+                )));
+            }
+            let room = window.saturating_sub(ids.len());
+            if ids.is_empty() || room < 2 {
+                out[i] = Some(Generated {
+                    text: String::new(),
+                    token_ids: Some(Vec::new()),
+                    logprobs: Some(Vec::new()),
+                });
+            } else {
+                todo.push((i, ids, room.min(self.sampling.max_new_tokens)));
+            }
+        }
+        // Group by budget so that no sequence outgrows the window; usually one group.
+        todo.sort_by_key(|t| std::cmp::Reverse(t.2));
+        let chunk = if self.max_batch == 0 {
+            usize::MAX
+        } else {
+            self.max_batch
+        };
+        let mut start = 0;
+        while start < todo.len() {
+            let budget = todo[start].2;
+            let mut end = start;
+            while end < todo.len() && todo[end].2 == budget && end - start < chunk {
+                end += 1;
+            }
+            let group = &todo[start..end];
+            let prompts: Vec<Vec<u32>> = group.iter().map(|t| t.1.clone()).collect();
+            let cfg = SamplingConfig {
+                max_new_tokens: budget,
+                ..self.sampling.clone()
+            };
+            let g = generate(
+                self.model,
+                &prompts,
+                &cfg,
+                self.rng,
+                Some(&Detok(self.tokenizer)),
+            );
+            for (k, t) in group.iter().enumerate() {
+                let ids = g.tokens[k].clone();
+                let text = self
+                    .tokenizer
+                    .decode(&ids, true)
+                    .map_err(|e| Error::Policy(format!("tokenizer: {e}")))?;
+                out[t.0] = Some(Generated {
+                    text,
+                    token_ids: Some(ids),
+                    logprobs: Some(g.logprobs[k].clone()),
+                });
+            }
+            start = end;
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+}
+
+/// The meta-refiner: teacher-forced log-probabilities of `" 0"..." T"` after the refiner prompt, under the same
+/// weights as the actor. When every candidate is one token (the usual case) one forward per prompt suffices;
+/// otherwise each prompt+candidate row is scored.
+pub struct LmRefiner<'a> {
+    /// The policy (a no-grad snapshot).
+    pub model: &'a Transformer,
+    /// Its tokenizer.
+    pub tokenizer: &'a Tokenizer,
+    /// Rows per forward (memory bound).
+    pub max_batch: usize,
+}
+
+/// Right-padded `[B, W]` token and mask tensors of `rows`.
+pub fn padded(
+    rows: &[Vec<u32>],
+    device: &burn::tensor::Device,
+) -> (Tensor<2, Int>, Tensor<2, Bool>, usize) {
+    let w = rows.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let b = rows.len();
+    let mut toks = Vec::with_capacity(b * w);
+    let mut mask = Vec::with_capacity(b * w);
+    for r in rows {
+        toks.extend(r.iter().map(|&t| t as i64));
+        toks.extend(std::iter::repeat_n(0i64, w - r.len()));
+        mask.extend(std::iter::repeat_n(true, r.len()));
+        mask.extend(std::iter::repeat_n(false, w - r.len()));
+    }
+    (
+        Tensor::from_data(TensorData::new(toks, [b, w]), device),
+        Tensor::from_data(TensorData::new(mask, [b, w]), device),
+        w,
+    )
+}
+
+/// Log-probabilities `[B, V]` of the token following each row (rows are right-padded; the last real position
+/// of each row is used). Rows must be non-empty and fit the model's window.
+pub fn next_token_logprobs(model: &Transformer, rows: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let device = model.device();
+    let (toks, mask, w) = padded(rows, &device);
+    let b = rows.len();
+    let logits = model.forward_masked(toks, mask); // [b, w, V]
+    let v = logits.dims()[2];
+    let idx: Vec<i64> = rows
+        .iter()
+        .flat_map(|r| {
+            let last = (r.len().max(1) - 1) as i64;
+            std::iter::repeat_n(last, v)
+        })
+        .collect();
+    let idx = Tensor::<3, Int>::from_data(TensorData::new(idx, [b, 1, v]), &device);
+    let last = logits.gather(1, idx).reshape([b, v]);
+    let lp: Vec<f32> = log_softmax(last, 1)
+        .into_data()
+        .try_into_vec_as::<f32>()
+        .unwrap_or_default();
+    let _ = w;
+    lp.chunks(v).map(<[f32]>::to_vec).collect()
+}
+
+/// Sum of the log-probabilities of `rows[i][from[i]..]` given their prefixes (teacher forcing), one forward.
+pub fn continuation_logprobs(model: &Transformer, rows: &[Vec<u32>], from: &[usize]) -> Vec<f64> {
+    let device = model.device();
+    let (toks, mask, w) = padded(rows, &device);
+    let b = rows.len();
+    if w < 2 {
+        return vec![0.0; b];
+    }
+    let lp = kiln_lm::generate::score_tokens(model, toks, mask, 1.0); // [b, w-1]
+    let host: Vec<f32> = lp.into_data().try_into_vec_as::<f32>().unwrap_or_default();
+    rows.iter()
+        .zip(from)
+        .enumerate()
+        .map(|(i, (r, &f))| {
+            (f.max(1)..r.len())
+                .map(|p| host[i * (w - 1) + p - 1] as f64)
+                .sum()
+        })
+        .collect()
+}
+
+impl RefinerScorer for LmRefiner<'_> {
+    fn score(&mut self, requests: &[RefinerRequest<'_>]) -> Result<Vec<Vec<f64>>, Error> {
+        let window = self.model.config().max_position_embeddings;
+        let chunk = self.max_batch.max(1);
+        let mut out = vec![Vec::new(); requests.len()];
+        // Fast path: single-token candidates.
+        let mut single: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::new();
+        let mut multi: Vec<(usize, Vec<u32>, Vec<Vec<u32>>)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            let mut p = encode(self.tokenizer, r.prompt)?;
+            let cands: Vec<Vec<u32>> = r
+                .candidates
+                .iter()
+                .map(|c| encode(self.tokenizer, c))
+                .collect::<Result<_, _>>()?;
+            let longest = cands.iter().map(Vec::len).max().unwrap_or(0);
+            if p.len() + longest > window {
+                // Keep the end of the prompt (the steps and the question line): the decision follows it.
+                let cut = p.len() + longest - window;
+                p.drain(..cut);
+            }
+            if p.is_empty() {
+                out[i] = vec![0.0; cands.len()];
+                continue;
+            }
+            if cands.iter().all(|c| c.len() == 1) {
+                single.push((i, p, cands.into_iter().map(|c| c[0]).collect()));
+            } else {
+                multi.push((i, p, cands));
+            }
+        }
+        for group in single.chunks(chunk) {
+            let rows: Vec<Vec<u32>> = group.iter().map(|g| g.1.clone()).collect();
+            let lps = next_token_logprobs(self.model, &rows);
+            for (g, lp) in group.iter().zip(lps) {
+                out[g.0] =
+                    g.2.iter()
+                        .map(|&c| lp.get(c as usize).copied().unwrap_or(f32::NEG_INFINITY) as f64)
+                        .collect();
+            }
+        }
+        for (i, p, cands) in multi {
+            let rows: Vec<Vec<u32>> = cands
+                .iter()
+                .map(|c| p.iter().chain(c).copied().collect())
+                .collect();
+            let from = vec![p.len(); rows.len()];
+            out[i] = continuation_logprobs(self.model, &rows, &from);
+        }
+        Ok(out)
+    }
+}
+
+/// A kiln-retrieval `Retriever` (in-process index or remote server) as the search backend.
+#[derive(Clone)]
+pub struct RetrieverBackend(pub Arc<dyn kiln_retrieval::Retriever>);
+
+impl SearchBackend for RetrieverBackend {
+    fn search_batch(&self, queries: &[String], k: usize) -> Result<Vec<Vec<Passage>>, Error> {
+        let r = self
+            .0
+            .search_batch(queries, k)
+            .map_err(|e| Error::Search(e.to_string()))?;
+        Ok(r.into_iter()
+            .map(|ps| {
+                ps.into_iter()
+                    .map(|p| Passage {
+                        id: p.id,
+                        title: p.title,
+                        text: p.text,
+                        score: p.score,
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+}

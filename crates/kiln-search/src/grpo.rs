@@ -1,0 +1,461 @@
+//! Joint GRPO for Search-R2 through kiln-rl's [`RlTask`] seam (METHODS.md section 1, "Joint GRPO").
+//!
+//! One rollout batch = `questions_per_step` training questions x G trajectories from the actor, then the
+//! meta-refiner (same weights) and regeneration of the cut ones ([`crate::task::rollout_batch`]). Each
+//! trajectory becomes one row of actions: its response tokens (policy tokens mask 1, observation tokens mask 0,
+//! so observations are excluded from the loss and from the KL term), followed, under joint optimisation, by the
+//! refiner's decision tokens (`" 0"` or `" j"` after the refiner prompt, mask 1). The trajectory's reward
+//! (after revision) is broadcast to all of them by kiln-rl's group advantage. [`SearchTask::score`]
+//! re-scores exactly the stored ids: one forward over `prompt + response` rows and one over
+//! `refiner prompt + decision` rows.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln_lm::{SamplingConfig, Tokenizer, Transformer, score_tokens};
+use kiln_rl::{RlTask, Rollout, Scored, TaskError};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::agent::{LmActor, LmRefiner, RetrieverBackend, encode, padded, tokenize_episode};
+use crate::data::QaExample;
+use crate::eval::EvalMode;
+use crate::protocol::{PromptTemplate, Trajectory};
+use crate::reward::DeterministicJudge;
+use crate::task::{BatchConfig, evaluate, rollout_batch};
+
+/// Settings of the GRPO task (the recipe's `search` section).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct SearchTaskConfig {
+    /// Training questions per GRPO step (each gets `batch.group_size` trajectories). Default 8.
+    pub questions_per_step: usize,
+    /// Sampling of the actor during training rollouts (temperature 1, at most 48 new tokens per turn).
+    pub sampling: SamplingConfig,
+    /// Rollout batch: group size G, protocol (max_turns, top_k), refiner, reward.
+    pub batch: BatchConfig,
+    /// Held-out questions evaluated (greedy, actor alone) at `trainer.eval_every` and at the end. Default 100.
+    pub eval_questions: usize,
+    /// Sequences per forward pass when re-scoring (memory bound). Default 64.
+    pub max_batch: usize,
+}
+
+impl Default for SearchTaskConfig {
+    fn default() -> Self {
+        SearchTaskConfig {
+            questions_per_step: 8,
+            sampling: SamplingConfig {
+                max_new_tokens: 48,
+                temperature: 1.0,
+                ..SamplingConfig::default()
+            },
+            batch: BatchConfig::default(),
+            eval_questions: 100,
+            max_batch: 64,
+        }
+    }
+}
+
+/// Rollout data kept for re-scoring.
+pub struct SearchData {
+    /// `prompt + response` ids per trajectory.
+    actor_rows: Vec<Vec<u32>>,
+    /// Index of the first response token in each actor row.
+    actor_start: Vec<usize>,
+    /// `refiner prompt + decision` ids and the decision's start, when the refiner decided on this trajectory
+    /// and joint optimisation is on.
+    refiner_rows: Vec<Option<(Vec<u32>, usize)>>,
+    /// Width of the actor part of the action axis.
+    ta: usize,
+    /// Width of the refiner part.
+    td: usize,
+}
+
+/// The Search-R2 / Search-R1 GRPO task.
+pub struct SearchTask {
+    cfg: SearchTaskConfig,
+    tokenizer: Tokenizer,
+    template: PromptTemplate,
+    search: RetrieverBackend,
+    train: Vec<QaExample>,
+    eval: Vec<QaExample>,
+    order: Vec<usize>,
+    cursor: usize,
+    epoch: u64,
+    seed: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct TaskState {
+    cursor: usize,
+    epoch: u64,
+}
+
+fn task_err(e: impl std::fmt::Display) -> TaskError {
+    e.to_string().into()
+}
+
+impl SearchTask {
+    /// A task over `train` questions (shuffled each epoch with `seed`) and `eval` questions.
+    pub fn new(
+        cfg: SearchTaskConfig,
+        tokenizer: Tokenizer,
+        template: PromptTemplate,
+        search: RetrieverBackend,
+        train: Vec<QaExample>,
+        eval: Vec<QaExample>,
+        seed: u64,
+    ) -> Result<Self, Error> {
+        if train.is_empty() {
+            return Err(Error::Invalid("no training questions".into()));
+        }
+        if cfg.questions_per_step == 0 {
+            return Err(Error::Invalid(
+                "search.questions_per_step must be at least 1".into(),
+            ));
+        }
+        template.validate()?;
+        cfg.batch.protocol.validate()?;
+        let mut t = SearchTask {
+            cfg,
+            tokenizer,
+            template,
+            search,
+            train,
+            eval,
+            order: Vec::new(),
+            cursor: 0,
+            epoch: 0,
+            seed,
+        };
+        t.shuffle();
+        Ok(t)
+    }
+
+    fn shuffle(&mut self) {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ (self.epoch.wrapping_mul(0x9E37_79B9)));
+        self.order = (0..self.train.len()).collect();
+        self.order.shuffle(&mut rng);
+    }
+
+    fn next_questions(&mut self) -> Vec<QaExample> {
+        let mut out = Vec::with_capacity(self.cfg.questions_per_step);
+        while out.len() < self.cfg.questions_per_step {
+            if self.cursor >= self.order.len() {
+                self.epoch += 1;
+                self.cursor = 0;
+                self.shuffle();
+            }
+            out.push(self.train[self.order[self.cursor]].clone());
+            self.cursor += 1;
+        }
+        out
+    }
+
+    /// Greedy evaluation of the actor alone on `examples` in `mode`.
+    pub fn evaluate_examples(
+        &self,
+        policy: &Transformer,
+        dataset: &str,
+        examples: &[QaExample],
+        mode: EvalMode,
+        max_new_tokens: usize,
+    ) -> Result<(Vec<crate::eval::QaRecord>, crate::rollout::RolloutStats), Error> {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let sampling = SamplingConfig::greedy(max_new_tokens);
+        let mut actor = LmActor::new(policy, &self.tokenizer, sampling, &mut rng);
+        actor.max_batch = self.cfg.max_batch;
+        evaluate(
+            dataset,
+            examples,
+            mode,
+            &self.cfg.batch.protocol,
+            &mut actor,
+            &self.search,
+        )
+    }
+}
+
+/// Left-trims `ids` so that `ids.len() + extra <= window` (the refiner decision follows the prompt's end).
+fn fit_window(mut ids: Vec<u32>, extra: usize, window: usize) -> Vec<u32> {
+    if ids.len() + extra > window {
+        let cut = (ids.len() + extra - window).min(ids.len());
+        ids.drain(..cut);
+    }
+    ids
+}
+
+/// Log-probs `[b, width]` of the tokens `rows[i][start[i] + k]`, `k < width` (0 where the row is shorter).
+fn gather_actions(
+    model: &Transformer,
+    rows: &[Vec<u32>],
+    start: &[usize],
+    width: usize,
+) -> Tensor<2> {
+    let device = model.device();
+    let b = rows.len();
+    let (toks, mask, w) = padded(rows, &device);
+    if w < 2 || width == 0 {
+        return Tensor::zeros([b, width.max(1)], &device).slice([0..b, 0..width]);
+    }
+    let lp = score_tokens(model, toks, mask, 1.0); // [b, w-1]: entry p = log p(token p+1)
+    let mut idx = Vec::with_capacity(b * width);
+    for (r, &s) in rows.iter().zip(start) {
+        for k in 0..width {
+            let pos = s + k; // the token's position in the row
+            let e = if pos >= 1 && pos < r.len() {
+                pos - 1
+            } else {
+                0
+            };
+            idx.push(e as i64);
+        }
+    }
+    let idx = Tensor::<2, Int>::from_data(TensorData::new(idx, [b, width]), &device);
+    lp.gather(1, idx)
+}
+
+impl RlTask for SearchTask {
+    type Policy = Transformer;
+    type Data = SearchData;
+
+    fn rollout(
+        &mut self,
+        policy: &Transformer,
+        _step: u64,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Rollout<SearchData>, TaskError> {
+        let questions = self.next_questions();
+        let window = policy.config().max_position_embeddings;
+        let mut actor_rng = ChaCha8Rng::seed_from_u64(rng.random());
+        let mut actor = LmActor::new(
+            policy,
+            &self.tokenizer,
+            self.cfg.sampling.clone(),
+            &mut actor_rng,
+        );
+        actor.max_batch = self.cfg.max_batch;
+        let mut refiner = LmRefiner {
+            model: policy,
+            tokenizer: &self.tokenizer,
+            max_batch: self.cfg.max_batch,
+        };
+        let mut judge = DeterministicJudge::default();
+        let scorer: Option<&mut dyn crate::task::RefinerScorer> = if self.cfg.batch.refiner.enabled
+        {
+            Some(&mut refiner)
+        } else {
+            None
+        };
+        let out = rollout_batch(
+            &questions,
+            &self.template,
+            &self.cfg.batch,
+            &mut actor,
+            &self.search,
+            scorer,
+            &mut judge,
+            rng,
+        )
+        .map_err(task_err)?;
+        let joint = self.cfg.batch.refiner.enabled && self.cfg.batch.refiner.joint;
+        let n = out.items.len();
+        let mut actor_rows = Vec::with_capacity(n);
+        let mut actor_start = Vec::with_capacity(n);
+        let mut actor_masks = Vec::with_capacity(n);
+        let mut refiner_rows = Vec::with_capacity(n);
+        let mut resp_tokens = 0usize;
+        let mut policy_tokens = 0usize;
+        for it in &out.items {
+            let mut traj: Trajectory = it.episode.trajectory.clone();
+            tokenize_episode(&self.tokenizer, &mut traj).map_err(task_err)?;
+            let (ids, mut m) = traj.ids_and_loss_mask().map_err(task_err)?;
+            let prompt = traj.prompt_token_ids.clone().unwrap_or_default();
+            let mut row = prompt.clone();
+            row.extend_from_slice(&ids);
+            // Tokens past the window cannot be scored: drop them (and their mask).
+            if row.len() > window {
+                row.truncate(window);
+                m.truncate(window.saturating_sub(prompt.len()));
+            }
+            resp_tokens += m.len();
+            policy_tokens += m.iter().filter(|x| **x > 0.0).count();
+            actor_start.push(prompt.len());
+            actor_rows.push(row);
+            actor_masks.push(m);
+            let rr = if joint {
+                match it
+                    .refiner
+                    .iter()
+                    .rev()
+                    .find_map(|r| r.decision_text().map(|d| (r.prompt.clone(), d)))
+                {
+                    Some((p, d)) => {
+                        let d_ids = encode(&self.tokenizer, &d).map_err(task_err)?;
+                        let p_ids = fit_window(
+                            encode(&self.tokenizer, &p).map_err(task_err)?,
+                            d_ids.len(),
+                            window,
+                        );
+                        let start = p_ids.len();
+                        let mut row = p_ids;
+                        row.extend(d_ids);
+                        (start >= 1).then_some((row, start))
+                    }
+                    None => None,
+                }
+            } else {
+                None
+            };
+            refiner_rows.push(rr);
+        }
+        let ta = actor_masks.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let td = refiner_rows
+            .iter()
+            .flatten()
+            .map(|(r, s)| r.len() - s)
+            .max()
+            .unwrap_or(0);
+        let t = ta + td;
+        let mut action_mask = vec![0.0f32; n * t];
+        for (i, m) in actor_masks.iter().enumerate() {
+            action_mask[i * t..i * t + m.len()].copy_from_slice(m);
+            if let Some((r, s)) = &refiner_rows[i] {
+                for k in 0..r.len() - s {
+                    action_mask[i * t + ta + k] = 1.0;
+                }
+            }
+        }
+        let mut metrics = out.metrics();
+        metrics.insert(
+            "rollout/response_tokens".into(),
+            resp_tokens as f64 / n as f64,
+        );
+        metrics.insert(
+            "rollout/policy_tokens".into(),
+            policy_tokens as f64 / n as f64,
+        );
+        metrics.insert(
+            "rollout/generated_tokens_per_s".into(),
+            policy_tokens as f64 / out.rollout.generate_seconds.max(1e-9),
+        );
+        metrics.insert(
+            "rollout/retrieval_calls_per_s".into(),
+            out.rollout.search_calls as f64 / out.rollout.search_seconds.max(1e-9),
+        );
+        let answered = out
+            .items
+            .iter()
+            .filter(|i| i.reward.answer.is_some())
+            .count();
+        metrics.insert("rollout/answered".into(), answered as f64 / n as f64);
+        Ok(Rollout {
+            data: SearchData {
+                actor_rows,
+                actor_start,
+                refiner_rows,
+                ta,
+                td,
+            },
+            group_size: self.cfg.batch.group_size,
+            rewards: out.totals(),
+            step_rewards: None,
+            max_actions: t,
+            action_mask,
+            metrics,
+        })
+    }
+
+    fn score(&self, policy: &Transformer, data: &SearchData, indices: &[usize]) -> Scored {
+        let rows: Vec<Vec<u32>> = indices
+            .iter()
+            .map(|&i| data.actor_rows[i].clone())
+            .collect();
+        let start: Vec<usize> = indices.iter().map(|&i| data.actor_start[i]).collect();
+        let actor = gather_actions(policy, &rows, &start, data.ta);
+        let logp = if data.td == 0 {
+            actor
+        } else {
+            let (rows, start): (Vec<Vec<u32>>, Vec<usize>) = indices
+                .iter()
+                .map(|&i| match &data.refiner_rows[i] {
+                    Some((r, s)) => (r.clone(), *s),
+                    None => (vec![0, 0], 1),
+                })
+                .unzip();
+            let refiner = gather_actions(policy, &rows, &start, data.td);
+            Tensor::cat(vec![actor, refiner], 1)
+        };
+        Scored {
+            logp,
+            entropy: None,
+        }
+    }
+
+    fn evaluate(
+        &mut self,
+        policy: &Transformer,
+        _step: u64,
+    ) -> Result<BTreeMap<String, f64>, TaskError> {
+        let n = self.cfg.eval_questions.min(self.eval.len());
+        if n == 0 {
+            return Ok(BTreeMap::new());
+        }
+        let examples = self.eval[..n].to_vec();
+        let (records, stats) = self
+            .evaluate_examples(
+                policy,
+                "eval",
+                &examples,
+                EvalMode::Agent,
+                self.cfg.sampling.max_new_tokens,
+            )
+            .map_err(task_err)?;
+        let k = records.len().max(1) as f64;
+        let mut m = BTreeMap::new();
+        m.insert(
+            "eval/em".into(),
+            records.iter().map(|r| r.em).sum::<f64>() / k,
+        );
+        m.insert(
+            "eval/f1".into(),
+            records.iter().map(|r| r.f1).sum::<f64>() / k,
+        );
+        m.insert(
+            "eval/searches".into(),
+            records.iter().map(|r| r.searches as f64).sum::<f64>() / k,
+        );
+        m.insert(
+            "eval/answer_in_passages".into(),
+            records
+                .iter()
+                .map(|r| f64::from(u8::from(r.answer_in_passages)))
+                .sum::<f64>()
+                / k,
+        );
+        m.insert("eval/generate_seconds".into(), stats.generate_seconds);
+        Ok(m)
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::to_value(TaskState {
+            cursor: self.cursor,
+            epoch: self.epoch,
+        })
+        .unwrap_or(serde_json::Value::Null)
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<(), TaskError> {
+        if state.is_null() {
+            return Ok(());
+        }
+        let s: TaskState = serde_json::from_value(state.clone()).map_err(task_err)?;
+        self.epoch = s.epoch;
+        self.shuffle();
+        self.cursor = s.cursor.min(self.order.len());
+        Ok(())
+    }
+}

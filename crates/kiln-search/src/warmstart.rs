@@ -1,0 +1,493 @@
+//! The warm start of a policy trained from random initialisation: a byte-level BPE tokenizer trained on the
+//! synthetic world's text, a small Llama-layout transformer, and supervised fine-tuning on scripted
+//! demonstrations of every role the policy plays:
+//! - the agent (Search-R1 protocol): the gold trajectory of a training question, one search per hop
+//!   ([`crate::synthetic::build_demonstrations`]); loss on the policy tokens only;
+//! - the meta-refiner: refiner prompts over demonstration trajectories with the index of their first bad step:
+//!   `" 0"` for a gold trajectory, `" j"` when step j's search was replaced by a wrong one (and its
+//!   observation re-retrieved), `" T"` when the final answer was swapped for a wrong one;
+//! - the baselines' formats (direct answer, retrieve-once RAG) so that `kiln eval --mode direct|rag` asks the
+//!   same weights a question in a format they know.
+//!
+//! The warm start is deliberately short: it teaches the formats and the basic search skill; GRPO has to make
+//! the policy reliable. Search-R1 and Search-R2 recipes start from the same warm-start folder.
+
+use std::path::Path;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor, TensorData};
+use kiln_lm::{Tokenizer, Transformer, TransformerConfig, score_tokens};
+use rand::seq::{IndexedRandom, SliceRandom};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::agent::{encode, padded, tokenize_episode};
+use crate::protocol::{
+    ANSWER_CLOSE, ANSWER_OPEN, DIRECT_TEMPLATE, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_OBSERVATION,
+    PromptTemplate, ProtocolConfig, RAG_TEMPLATE, SEARCH_CLOSE, SEARCH_OPEN, SEARCH_R1_TEMPLATE,
+    THINK_CLOSE, THINK_OPEN, format_documents,
+};
+use crate::refiner::build_refiner_prompt;
+use crate::rollout::SearchBackend;
+use crate::synthetic::{SyntheticQuestion, World, build_demonstrations, demonstration_turns};
+
+/// Settings of the warm start (the recipe's `warm_start` section).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct WarmStartConfig {
+    /// BPE vocabulary size (byte-level; the tags `<search>` etc. are single tokens). Default 2048.
+    pub vocab_size: usize,
+    /// Supervised steps. Default 300.
+    pub steps: usize,
+    /// Sequences per step. Default 16.
+    pub batch_size: usize,
+    /// Peak learning rate (AdamW, linear warmup over 10% of the steps, cosine to 10%). Default 2e-3.
+    pub lr: f64,
+    /// Training questions turned into agent demonstrations (0 = all). Default 0.
+    pub max_questions: usize,
+    /// Refiner demonstrations per agent demonstration (split between gold, bad-search and bad-answer
+    /// trajectories). Default 0.5.
+    pub refiner_ratio: f64,
+    /// Direct-answer and RAG demonstrations per agent demonstration (each). Default 0.15.
+    pub baseline_ratio: f64,
+}
+
+impl Default for WarmStartConfig {
+    fn default() -> Self {
+        WarmStartConfig {
+            vocab_size: 2048,
+            steps: 300,
+            batch_size: 16,
+            lr: 2e-3,
+            max_questions: 0,
+            refiner_ratio: 0.5,
+            baseline_ratio: 0.15,
+        }
+    }
+}
+
+/// One supervised sequence: ids and the loss mask of each id (1 = predicted and trained on).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SftExample {
+    /// Token ids (prompt + target).
+    pub ids: Vec<u32>,
+    /// Per-id loss mask.
+    pub mask: Vec<f32>,
+    /// Which role (`agent`, `refiner`, `direct`, `rag`).
+    pub role: &'static str,
+}
+
+/// What the warm start did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WarmStartReport {
+    /// Demonstrations per role.
+    pub examples: std::collections::BTreeMap<String, usize>,
+    /// Agent demonstrations dropped (their search did not return the hop document).
+    pub dropped: usize,
+    /// Mean loss over the first and the last 10% of the steps.
+    pub loss_first: f64,
+    /// See `loss_first`.
+    pub loss_last: f64,
+    /// Parameters of the model.
+    pub parameters: usize,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+/// Special (added) tokens of the warm-start tokenizer: the protocol tags as single tokens, and an EOS.
+pub const EOS: &str = "<|endoftext|>";
+
+/// Trains a byte-level BPE tokenizer of `vocab_size` on the world's documents, questions, the prompt templates
+/// and the demonstration turns, and writes `tokenizer.json` (+ `tokenizer_config.json`) into `dir`.
+pub fn train_tokenizer(world: &World, vocab_size: usize, dir: &Path) -> Result<Tokenizer, Error> {
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, TokenizerBuilder};
+    let err =
+        |e: Box<dyn std::error::Error + Send + Sync>| Error::Invalid(format!("tokenizer: {e}"));
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut texts: Vec<String> = Vec::new();
+    for d in &world.corpus {
+        texts.push(format!("Doc 1(Title: {}) {}", d.title, d.text));
+    }
+    for q in world.train.iter().chain(&world.dev).chain(&world.test) {
+        texts.push(q.example.question.clone());
+        texts.extend(demonstration_turns(q));
+    }
+    for t in [
+        SEARCH_R1_TEMPLATE,
+        DIRECT_TEMPLATE,
+        RAG_TEMPLATE,
+        INVALID_ACTION_OBSERVATION,
+    ] {
+        texts.push(t.to_string());
+    }
+    texts.push(build_refiner_prompt(
+        "",
+        &crate::protocol::Trajectory::new(""),
+    ));
+    for j in 0..10 {
+        texts.push(format!(" {j}"));
+    }
+    let tags = [
+        SEARCH_OPEN,
+        SEARCH_CLOSE,
+        ANSWER_OPEN,
+        ANSWER_CLOSE,
+        THINK_OPEN,
+        THINK_CLOSE,
+        INFO_OPEN,
+        INFO_CLOSE,
+    ];
+    let byte_level = ByteLevel::new(false, true, true);
+    let mut trainer = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(vec![AddedToken::from(EOS, true)])
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let mut tok = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
+        .with_pre_tokenizer(Some(byte_level))
+        .with_post_processor(None::<tokenizers::PostProcessorWrapper>)
+        .with_decoder(Some(byte_level))
+        .build()
+        .map_err(err)?;
+    tok.train(&mut trainer, texts.iter()).map_err(err)?;
+    tok.add_tokens(
+        tags.iter()
+            .map(|t| AddedToken::from(*t, false).normalized(false)),
+    )
+    .map_err(err)?;
+    let path = dir.join("tokenizer.json");
+    tok.save(&path, false).map_err(err)?;
+    let cfg = serde_json::json!({ "eos_token": EOS, "add_bos_token": false });
+    let cpath = dir.join("tokenizer_config.json");
+    std::fs::write(&cpath, cfg.to_string()).map_err(|e| Error::io(&cpath, e))?;
+    Tokenizer::from_hf_dir(dir).map_err(|e| Error::Invalid(format!("tokenizer: {e}")))
+}
+
+fn example_from(
+    tok: &Tokenizer,
+    prompt_ids: Vec<u32>,
+    target: &str,
+    role: &'static str,
+) -> Result<SftExample, Error> {
+    let t = encode(tok, target)?;
+    let mut mask = vec![0.0; prompt_ids.len()];
+    mask.extend(std::iter::repeat_n(1.0, t.len()));
+    let mut ids = prompt_ids;
+    ids.extend(t);
+    Ok(SftExample { ids, mask, role })
+}
+
+fn answer_turn(q: &SyntheticQuestion, answer: &str) -> String {
+    format!(
+        "{THINK_OPEN}{}{THINK_CLOSE}\n{ANSWER_OPEN} {answer} {ANSWER_CLOSE}",
+        q.conclusion
+    )
+}
+
+/// Builds the demonstrations of every role (see the module docs). Returns them and the number of agent
+/// demonstrations dropped.
+pub fn build_examples(
+    world: &World,
+    cfg: &WarmStartConfig,
+    tok: &Tokenizer,
+    protocol: &ProtocolConfig,
+    search: &dyn SearchBackend,
+    rng: &mut ChaCha8Rng,
+) -> Result<(Vec<SftExample>, usize), Error> {
+    let mut questions: Vec<SyntheticQuestion> = world.train.clone();
+    questions.shuffle(rng);
+    if cfg.max_questions > 0 {
+        questions.truncate(cfg.max_questions);
+    }
+    let template = PromptTemplate::search_r1();
+    let (mut demos, dropped) = build_demonstrations(&questions, &template, protocol, search)?;
+    let mut out = Vec::new();
+    for ep in &mut demos {
+        tokenize_episode(tok, &mut ep.trajectory)?;
+        let (ids, m) = ep.trajectory.ids_and_loss_mask()?;
+        let p = ep.trajectory.prompt_token_ids.clone().unwrap_or_default();
+        let mut mask = vec![0.0; p.len()];
+        mask.extend(m);
+        let mut row = p;
+        row.extend(ids);
+        out.push(SftExample {
+            ids: row,
+            mask,
+            role: "agent",
+        });
+    }
+    // Map demos back to their questions (same order as `questions` minus the dropped ones).
+    let by_question: std::collections::HashMap<&str, &SyntheticQuestion> = questions
+        .iter()
+        .map(|q| (q.example.question.as_str(), q))
+        .collect();
+    let n_ref = (demos.len() as f64 * cfg.refiner_ratio).round() as usize;
+    let all_answers: Vec<&str> = world
+        .train
+        .iter()
+        .filter_map(|q| q.example.golden_answers.first().map(String::as_str))
+        .collect();
+    let all_queries: Vec<&str> = world
+        .train
+        .iter()
+        .flat_map(|q| q.hops.iter().map(|h| h.query.as_str()))
+        .collect();
+    let mut bad_searches = Vec::new();
+    for (k, ep) in demos.iter().take(n_ref).enumerate() {
+        let Some(q) = by_question.get(question_of(&ep.trajectory.prompt)) else {
+            continue;
+        };
+        let t = ep.trajectory.steps.len();
+        match k % 3 {
+            0 => {
+                let p = build_refiner_prompt(&q.example.question, &ep.trajectory);
+                out.push(example_from(tok, encode(tok, &p)?, " 0", "refiner")?);
+            }
+            1 => {
+                // Wrong final answer: the last step is the first bad one.
+                let gold = q
+                    .example
+                    .golden_answers
+                    .first()
+                    .cloned()
+                    .unwrap_or_default();
+                let wrong = loop {
+                    let w = all_answers.choose(rng).copied().unwrap_or("unknown");
+                    if w != gold || all_answers.len() < 2 {
+                        break w;
+                    }
+                };
+                let mut tr = ep.trajectory.clone();
+                if let Some(last) = tr.steps.last_mut() {
+                    last.policy = crate::protocol::Segment::policy(answer_turn(q, wrong));
+                }
+                let p = build_refiner_prompt(&q.example.question, &tr);
+                out.push(example_from(
+                    tok,
+                    encode(tok, &p)?,
+                    &format!(" {t}"),
+                    "refiner",
+                )?);
+            }
+            _ => {
+                // A wrong search at step j (< T): its query replaced and re-run.
+                if t < 2 {
+                    continue;
+                }
+                let j = rng.random_range(1..t);
+                let wrong = all_queries.choose(rng).copied().unwrap_or("unknown");
+                bad_searches.push((q, ep.trajectory.clone(), j, wrong.to_string()));
+            }
+        }
+    }
+    if !bad_searches.is_empty() {
+        let queries: Vec<String> = bad_searches.iter().map(|b| b.3.clone()).collect();
+        let results = search.search_batch(&queries, protocol.top_k)?;
+        for ((q, mut tr, j, wrong), mut ps) in bad_searches.into_iter().zip(results) {
+            ps.truncate(protocol.top_k);
+            let step = &mut tr.steps[j - 1];
+            let think = step
+                .policy
+                .text
+                .split(SEARCH_OPEN)
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            step.policy = crate::protocol::Segment::policy(format!(
+                "{think}{SEARCH_OPEN} {wrong} {SEARCH_CLOSE}"
+            ));
+            step.observation = Some(crate::protocol::Segment::observation(
+                crate::protocol::format_observation(&ps),
+            ));
+            let p = build_refiner_prompt(&q.example.question, &tr);
+            out.push(example_from(
+                tok,
+                encode(tok, &p)?,
+                &format!(" {j}"),
+                "refiner",
+            )?);
+        }
+    }
+    // Baseline formats.
+    let n_base = (demos.len() as f64 * cfg.baseline_ratio).round() as usize;
+    let direct = PromptTemplate::direct();
+    for q in questions.iter().take(n_base) {
+        let gold = q
+            .example
+            .golden_answers
+            .first()
+            .cloned()
+            .unwrap_or_default();
+        let p = encode(tok, &direct.render(&q.example.question))?;
+        out.push(example_from(tok, p, &answer_turn(q, &gold), "direct")?);
+    }
+    let rag_qs: Vec<&SyntheticQuestion> = questions.iter().rev().take(n_base).collect();
+    let qs: Vec<String> = rag_qs.iter().map(|q| q.example.question.clone()).collect();
+    let results = search.search_batch(&qs, protocol.top_k)?;
+    let rag = PromptTemplate::rag();
+    for (q, mut ps) in rag_qs.into_iter().zip(results) {
+        ps.truncate(protocol.top_k);
+        let gold = q
+            .example
+            .golden_answers
+            .first()
+            .cloned()
+            .unwrap_or_default();
+        let p = rag.render_with_context(&q.example.question, &format_documents(&ps));
+        out.push(example_from(
+            tok,
+            encode(tok, &p)?,
+            &answer_turn(q, &gold),
+            "rag",
+        )?);
+    }
+    Ok((out, dropped))
+}
+
+/// The question of a Search-R1 prompt (the text after the last `Question: `, trimmed).
+fn question_of(prompt: &str) -> &str {
+    prompt
+        .rsplit("Question: ")
+        .next()
+        .unwrap_or_default()
+        .trim()
+}
+
+/// Mean masked negative log-likelihood of `batch` (differentiable when `model` is on an autodiff device).
+pub fn sft_loss(model: &Transformer, batch: &[&SftExample]) -> Tensor<1> {
+    let device = model.device();
+    let rows: Vec<Vec<u32>> = batch.iter().map(|e| e.ids.clone()).collect();
+    let (toks, mask, w) = padded(&rows, &device);
+    let b = rows.len();
+    let lp = score_tokens(model, toks, mask, 1.0); // [b, w-1]
+    let mut m = vec![0.0f32; b * (w - 1)];
+    for (i, e) in batch.iter().enumerate() {
+        for p in 1..e.ids.len() {
+            m[i * (w - 1) + p - 1] = e.mask[p];
+        }
+    }
+    let total: f32 = m.iter().sum::<f32>().max(1.0);
+    let m = Tensor::<2>::from_data(TensorData::new(m, [b, w - 1]), &device);
+    (lp * m).sum().neg().div_scalar(total)
+}
+
+/// Runs the whole warm start into `dir` (tokenizer, model, SFT; writes `config.json`, `model.safetensors`,
+/// the tokenizer files and `warm_start.json`). `device` must be an autodiff device. `on_step(step, loss)` is
+/// called after every step (progress bars).
+#[allow(clippy::too_many_arguments)]
+pub fn warm_start(
+    world: &World,
+    cfg: &WarmStartConfig,
+    model_cfg: &TransformerConfig,
+    protocol: &ProtocolConfig,
+    search: &dyn SearchBackend,
+    dir: &Path,
+    device: &Device,
+    seed: u64,
+    mut on_step: impl FnMut(usize, f64),
+) -> Result<WarmStartReport, Error> {
+    let start = Instant::now();
+    if cfg.steps == 0 || cfg.batch_size == 0 {
+        return Err(Error::Invalid(
+            "warm_start.steps and warm_start.batch_size must be at least 1".into(),
+        ));
+    }
+    let tmp = dir.with_extension("tmp");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let tok = train_tokenizer(world, cfg.vocab_size, &tmp)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (examples, dropped) = build_examples(world, cfg, &tok, protocol, search, &mut rng)?;
+    if examples.is_empty() {
+        return Err(Error::Invalid(
+            "no warm-start demonstration could be built (does the retriever index the world's corpus?)".into(),
+        ));
+    }
+    let window = model_cfg.max_position_embeddings;
+    let examples: Vec<SftExample> = examples
+        .into_iter()
+        .filter(|e| e.ids.len() <= window && e.ids.len() >= 2)
+        .collect();
+    let mut mc = model_cfg.clone();
+    mc.vocab_size = tok.vocab_size();
+    mc.eos_token_id = tok.token_to_id(EOS).map(kiln_lm::TokenIds::One);
+    mc.validate()
+        .map_err(|e| Error::Invalid(format!("model: {e}")))?;
+    device.seed(seed);
+    let mut model = mc.init(device);
+    let parameters = model.num_params();
+    let optim_cfg = kiln_rl::OptimConfig {
+        lr: cfg.lr,
+        warmup_ratio: 0.1,
+        schedule: kiln_rl::LrSchedule::Cosine,
+        min_lr_ratio: 0.1,
+        max_grad_norm: 1.0,
+        ..kiln_rl::OptimConfig::default()
+    };
+    let mut optim = optim_cfg.build();
+    let mut losses = Vec::with_capacity(cfg.steps);
+    let mut idx: Vec<usize> = (0..examples.len()).collect();
+    let mut cursor = idx.len();
+    for step in 0..cfg.steps {
+        let mut batch = Vec::with_capacity(cfg.batch_size);
+        while batch.len() < cfg.batch_size {
+            if cursor >= idx.len() {
+                idx.shuffle(&mut rng);
+                cursor = 0;
+            }
+            batch.push(&examples[idx[cursor]]);
+            cursor += 1;
+        }
+        let loss = sft_loss(&model, &batch);
+        let v = loss.clone().into_scalar::<f32>() as f64;
+        if !v.is_finite() {
+            return Err(Error::Invalid(format!(
+                "warm start: non-finite loss at step {step}; lower warm_start.lr"
+            )));
+        }
+        let grads = loss.backward();
+        let mut gp = GradientsParams::from_grads(grads, &model);
+        kiln_rl::optim::clip_grad_norm(&model, &mut gp, optim_cfg.max_grad_norm);
+        let lr = optim_cfg.lr_at(step as u64, cfg.steps as u64);
+        model = optim.step(lr, model, gp);
+        losses.push(v);
+        on_step(step + 1, v);
+    }
+    let k = (cfg.steps / 10).max(1);
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
+    let mut examples_by_role = std::collections::BTreeMap::new();
+    for e in &examples {
+        *examples_by_role.entry(e.role.to_string()).or_insert(0) += 1;
+    }
+    let report = WarmStartReport {
+        examples: examples_by_role,
+        dropped,
+        loss_first: mean(&losses[..k]),
+        loss_last: mean(&losses[losses.len() - k..]),
+        parameters,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    kiln_lm::save_hf_dir(&model.valid(), &tmp)
+        .map_err(|e| Error::Invalid(format!("saving the warm-start model: {e}")))?;
+    let rp = tmp.join("warm_start.json");
+    std::fs::write(
+        &rp,
+        serde_json::to_string_pretty(&report).map_err(|e| Error::Invalid(e.to_string()))?,
+    )
+    .map_err(|e| Error::io(&rp, e))?;
+    let _ = std::fs::remove_dir_all(dir);
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    Ok(report)
+}

@@ -1,0 +1,349 @@
+//! The model-driven layer with real components: a byte-level BPE trained on a synthetic world, a kiln-lm
+//! transformer (random init), a real tantivy index of the world's corpus, and kiln-rl's trainer.
+//!
+//! Checked: token-in/token-out (the ids scored at train time are exactly the ids sampled, and the re-scored
+//! log-probs equal the sampling log-probs); the action mask is 1 on generated tokens and refiner decision
+//! tokens and 0 on observations; the refiner's single-token fast path equals teacher-forced scoring; a failing
+//! retriever ends episodes without killing a GRPO step; the warm start lowers the loss and writes a loadable
+//! model.
+
+use std::sync::{Arc, OnceLock};
+
+use burn::tensor::Device;
+use kiln_lm::{SamplingConfig, Tokenizer, Transformer, TransformerConfig};
+use kiln_retrieval::{BuildOptions, IndexRetriever, build_index};
+use kiln_rl::RlTask;
+use kiln_search::agent::{
+    LmActor, LmRefiner, RetrieverBackend, context_ids, continuation_logprobs, tokenize_episode,
+};
+use kiln_search::grpo::{SearchTask, SearchTaskConfig};
+use kiln_search::protocol::{Episode, PromptTemplate, ProtocolConfig, SegmentKind};
+use kiln_search::rollout::{OnSearchError, run_episodes};
+use kiln_search::synthetic::{Split, SplitConfig, World, WorldConfig, generate};
+use kiln_search::task::{RefinerRequest, RefinerScorer};
+use kiln_search::warmstart::{WarmStartConfig, train_tokenizer, warm_start};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+struct Fixture {
+    world: World,
+    _dir: tempfile::TempDir,
+    tok: Tokenizer,
+    search: RetrieverBackend,
+}
+
+fn small_world() -> WorldConfig {
+    let s = |countries, cities, persons, companies, questions| SplitConfig {
+        countries,
+        cities,
+        persons,
+        companies,
+        questions,
+    };
+    WorldConfig {
+        seed: 3,
+        train: s(4, 10, 40, 20, 120),
+        dev: s(2, 4, 12, 6, 20),
+        test: s(2, 4, 12, 6, 20),
+        ..WorldConfig::default()
+    }
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let world = generate(&small_world()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        world.write(dir.path()).unwrap();
+        let index = dir.path().join("index");
+        build_index(
+            &[dir.path().join("corpus.jsonl")],
+            &index,
+            &BuildOptions {
+                progress: false,
+                threads: 1,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let search = RetrieverBackend(Arc::new(IndexRetriever::open(&index).unwrap()));
+        let tok = train_tokenizer(&world, 600, &dir.path().join("tok")).unwrap();
+        Fixture {
+            world,
+            _dir: dir,
+            tok,
+            search,
+        }
+    })
+}
+
+fn model(vocab: usize, seed: u64) -> Transformer {
+    let device = Device::flex();
+    device.seed(seed);
+    TransformerConfig {
+        vocab_size: vocab,
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(2),
+        max_position_embeddings: 1024,
+        initializer_range: 0.5,
+        ..Default::default()
+    }
+    .init(&device)
+}
+
+#[test]
+fn tokenizer_round_trips_and_tags_are_single_tokens() {
+    let f = fixture();
+    for t in [
+        "<search>",
+        "</search>",
+        "<answer>",
+        "</answer>",
+        "<information>",
+    ] {
+        let ids = f.tok.encode(t, false).unwrap();
+        assert_eq!(ids.len(), 1, "{t} -> {ids:?}");
+    }
+    for s in [
+        f.world.corpus[0].text.as_str(),
+        "  odd   spacing\n\nand ünïcödé ✓ <search> x </search>",
+        "",
+    ] {
+        let ids = f.tok.encode(s, false).unwrap();
+        assert_eq!(f.tok.decode(&ids, false).unwrap(), s);
+    }
+}
+
+#[test]
+fn rescoring_reproduces_sampling_logprobs_and_masks_observations() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 7);
+    let cfg = SearchTaskConfig {
+        questions_per_step: 2,
+        sampling: SamplingConfig {
+            max_new_tokens: 24,
+            temperature: 1.0,
+            ..Default::default()
+        },
+        ..SearchTaskConfig::default()
+    };
+    let mut cfg = cfg;
+    cfg.batch.group_size = 3;
+    cfg.batch.protocol.max_turns = 3;
+    let mut task = SearchTask::new(
+        cfg,
+        f.tok.clone(),
+        PromptTemplate::search_r1(),
+        f.search.clone(),
+        f.world.examples(Split::Train),
+        f.world.examples(Split::Dev),
+        1,
+    )
+    .unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let r = task.rollout(&m, 0, &mut rng).unwrap();
+    assert_eq!(r.rewards.len(), 6);
+    let t = r.max_actions;
+    assert_eq!(r.action_mask.len(), 6 * t);
+    let scored = task.score(&m, &r.data, &(0..6).collect::<Vec<_>>());
+    let lp: Vec<f32> = scored.logp.into_data().try_into_vec_as::<f32>().unwrap();
+    assert_eq!(lp.len(), 6 * t);
+    assert!(lp.iter().all(|x| x.is_finite() && *x <= 1e-5));
+    let mut policy_tokens = 0;
+    for row in 0..6 {
+        let mask = &r.action_mask[row * t..(row + 1) * t];
+        policy_tokens += mask.iter().filter(|x| **x > 0.0).count();
+    }
+    assert!(policy_tokens > 0);
+    // Deterministic re-check of masking on an episode we build ourselves.
+    let q = &f.world.train[0];
+    let mut ep = Episode::for_question(
+        &PromptTemplate::search_r1(),
+        &q.example.question,
+        ProtocolConfig::default(),
+    )
+    .unwrap();
+    let mut arng = ChaCha8Rng::seed_from_u64(9);
+    let mut actor = LmActor::new(&m, &f.tok, SamplingConfig::greedy(16), &mut arng);
+    let mut eps = vec![ep.clone()];
+    run_episodes(&mut eps, &mut actor, &f.search, OnSearchError::Fail).unwrap();
+    ep = eps.pop().unwrap();
+    // Context ids = prompt ids + all segment ids, each segment tokenized on its own.
+    let ctx = context_ids(&f.tok, &ep).unwrap();
+    let mut tr = ep.trajectory.clone();
+    tokenize_episode(&f.tok, &mut tr).unwrap();
+    let (ids, mask) = tr.ids_and_loss_mask().unwrap();
+    let prompt = tr.prompt_token_ids.clone().unwrap();
+    assert_eq!(ctx, [prompt.clone(), ids.clone()].concat());
+    let mut k = 0;
+    for seg in tr.segments() {
+        let n = seg.token_ids.as_ref().unwrap().len();
+        let want = if seg.kind == SegmentKind::Policy {
+            1.0
+        } else {
+            0.0
+        };
+        assert!(mask[k..k + n].iter().all(|x| *x == want));
+        if seg.kind == SegmentKind::Policy {
+            // Sampling log-probs (greedy: temperature 1) equal teacher-forced log-probs of the same ids.
+            let row: Vec<u32> = [prompt.clone(), ids[..k + n].to_vec()].concat();
+            let sampled = seg.logprobs.as_ref().unwrap();
+            for (j, lp) in sampled.iter().enumerate() {
+                let upto = prompt.len() + k + j + 1;
+                let full = continuation_logprobs(&m, &[row[..upto].to_vec()], &[upto - 1])[0];
+                assert!((full - *lp as f64).abs() < 1e-3, "{full} vs {lp}");
+            }
+        }
+        k += n;
+    }
+}
+
+#[test]
+fn refiner_fast_path_equals_teacher_forcing() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 11);
+    let prompt = "Question: who?\nASSISTANT_STEP_1: <search> x </search>\nProblematic step index (0 = no issue):";
+    let cands: Vec<String> = (0..3).map(|j| format!(" {j}")).collect();
+    let multi = vec![" 0 ok".to_string(), " 1".to_string()];
+    let mut r = LmRefiner {
+        model: &m,
+        tokenizer: &f.tok,
+        max_batch: 4,
+    };
+    let out = r
+        .score(&[
+            RefinerRequest {
+                index: 0,
+                prompt,
+                candidates: &cands,
+            },
+            RefinerRequest {
+                index: 1,
+                prompt,
+                candidates: &multi,
+            },
+        ])
+        .unwrap();
+    let p = f.tok.encode(prompt, false).unwrap();
+    for (c, got) in cands.iter().zip(&out[0]) {
+        let row: Vec<u32> = [p.clone(), f.tok.encode(c, false).unwrap()].concat();
+        let want = continuation_logprobs(&m, &[row], &[p.len()])[0];
+        assert!((want - got).abs() < 1e-4, "{c}: {want} vs {got}");
+    }
+    assert_eq!(out[1].len(), 2);
+    // " 0 ok" has more tokens than " 0": strictly lower log-probability.
+    assert!(out[1][0] < out[0][0]);
+}
+
+#[test]
+fn failing_retriever_ends_episodes_but_the_step_goes_on() {
+    #[derive(Clone)]
+    struct Broken;
+    impl kiln_retrieval::Retriever for Broken {
+        fn search_batch(
+            &self,
+            _q: &[String],
+            _k: usize,
+        ) -> Result<Vec<Vec<kiln_retrieval::Passage>>, kiln_retrieval::Error> {
+            Ok(vec![]) // garbage: no result list at all
+        }
+    }
+    let f = fixture();
+    // A policy that always searches: the warm start teaches that; here a scripted model would do, but the
+    // real path is what matters: use the actor with a model and check the backend error is contained.
+    let m = model(f.tok.vocab_size(), 3);
+    let mut cfg = SearchTaskConfig::default();
+    cfg.questions_per_step = 1;
+    cfg.batch.group_size = 2;
+    cfg.sampling.max_new_tokens = 8;
+    let mut task = SearchTask::new(
+        cfg,
+        f.tok.clone(),
+        PromptTemplate::search_r1(),
+        RetrieverBackend(Arc::new(Broken)),
+        f.world.examples(Split::Train),
+        vec![],
+        0,
+    )
+    .unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let r = task.rollout(&m, 0, &mut rng).unwrap();
+    assert_eq!(r.rewards.len(), 2);
+    // And directly: every pending search ends its episode with SearchFailed.
+    let q = &f.world.train[0];
+    let mut eps = vec![
+        Episode::for_question(
+            &PromptTemplate::search_r1(),
+            &q.example.question,
+            ProtocolConfig::default(),
+        )
+        .unwrap(),
+    ];
+    let mut policy = kiln_search::rollout::ScriptedPolicy::new(vec![vec!["<search> x </search>"]]);
+    let st = run_episodes(
+        &mut eps,
+        &mut policy,
+        &RetrieverBackend(Arc::new(Broken)),
+        OnSearchError::EndEpisode,
+    )
+    .unwrap();
+    assert_eq!(st.failed_searches, 1);
+    assert!(matches!(
+        eps[0].end_reason(),
+        Some(kiln_search::protocol::EndReason::SearchFailed(_))
+    ));
+}
+
+#[test]
+fn warm_start_learns_and_saves_a_loadable_model() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ws");
+    let cfg = WarmStartConfig {
+        vocab_size: 600,
+        steps: 40,
+        batch_size: 8,
+        lr: 3e-3,
+        ..WarmStartConfig::default()
+    };
+    let mc = TransformerConfig {
+        hidden_size: 48,
+        intermediate_size: 96,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(4),
+        max_position_embeddings: 1024,
+        tie_word_embeddings: true,
+        ..TransformerConfig::default()
+    };
+    let device = Device::flex().autodiff();
+    let mut steps = 0;
+    let report = warm_start(
+        &f.world,
+        &cfg,
+        &mc,
+        &ProtocolConfig::default(),
+        &f.search,
+        &out,
+        &device,
+        0,
+        |_, _| steps += 1,
+    )
+    .unwrap();
+    assert_eq!(steps, 40);
+    assert!(report.examples["agent"] > 50, "{:?}", report.examples);
+    assert!(report.examples["refiner"] > 10);
+    assert!(
+        report.loss_last < report.loss_first - 1.0,
+        "loss {} -> {}",
+        report.loss_first,
+        report.loss_last
+    );
+    let tok = Tokenizer::from_hf_dir(&out).unwrap();
+    let m = kiln_lm::load_hf_dir(&out, &Device::flex()).unwrap();
+    assert_eq!(m.config().vocab_size, tok.vocab_size());
+    assert!(out.join("warm_start.json").is_file());
+}
