@@ -1,0 +1,184 @@
+//! End-to-end: `kiln train recipes/search_r2.yaml` on a small synthetic world (warm start, joint GRPO with the
+//! meta-refiner, final direct/RAG/agent table), `kiln eval --task qa` of its checkpoint, and bad recipes /
+//! retrievers as clear errors.
+
+use std::path::{Path, PathBuf};
+
+use kiln_e2e::{read_metrics, run_kiln, scratch_project, text};
+
+/// The run directory `runs/<prefix>-<timestamp>` (runs/ also holds the shared warm start).
+fn run_dir(project: &Path, prefix: &str) -> PathBuf {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(project.join("runs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{prefix}-")))
+        })
+        .collect();
+    assert_eq!(v.len(), 1, "{v:?}");
+    v.pop().unwrap()
+}
+
+/// A small world and model so that the whole chain runs in well under a minute.
+const SMALL: &[&str] = &[
+    "--set",
+    "world.train={countries: 3, cities: 8, persons: 30, companies: 15, questions: 80}",
+    "--set",
+    "world.dev={countries: 2, cities: 4, persons: 10, companies: 5, questions: 10}",
+    "--set",
+    "world.test={countries: 2, cities: 4, persons: 10, companies: 5, questions: 10}",
+    "--set",
+    "warm_start={vocab_size: 500, steps: 6, batch_size: 4, lr: 0.003}",
+    "--set",
+    "model.hidden_size=32",
+    "--set",
+    "model.intermediate_size=64",
+    "--set",
+    "model.num_hidden_layers=2",
+    "--set",
+    "search.questions_per_step=2",
+    "--set",
+    "search.eval_questions=4",
+    "--set",
+    "search.sampling.max_new_tokens=12",
+    "--set",
+    "search.batch.group_size=3",
+    "--set",
+    "trainer.steps=2",
+    "--set",
+    "trainer.mini_batch_size=6",
+    "--set",
+    "trainer.eval_every=2",
+    "--set",
+    "final_eval.questions=4",
+    "--set",
+    "final_eval.resamples=200",
+    "--set",
+    "logging.plots=false",
+];
+
+fn args<'a>(recipe: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["train", recipe];
+    v.extend_from_slice(SMALL);
+    v.extend_from_slice(extra);
+    v
+}
+
+#[test]
+fn search_r2_trains_evaluates_and_reports() {
+    let p = scratch_project();
+    let out = run_kiln(p.path(), &args("recipes/search_r2.yaml", &[]));
+    assert!(out.status.success(), "{}", text(&out));
+    let run = run_dir(p.path(), "search_r2");
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 2);
+    for key in [
+        "reward/em",
+        "reward/f1",
+        "reward/process",
+        "reward/total",
+        "refiner/acceptance_rate",
+        "refiner/intervention_volume",
+        "rollout/generated_tokens_per_s",
+        "time/refiner_seconds",
+    ] {
+        assert!(
+            rows[0].contains_key(key),
+            "missing {key}: {:?}",
+            rows[0].keys()
+        );
+    }
+    assert!(rows[1].contains_key("eval/em"));
+    // The warm start was created once, in init_dir, with its report.
+    assert!(
+        p.path()
+            .join("runs/search/warm-start/warm_start.json")
+            .is_file()
+    );
+    assert!(
+        p.path()
+            .join("runs/search/warm-start/tokenizer.json")
+            .is_file()
+    );
+    // Final table: three modes on the held-out split.
+    let report = std::fs::read_to_string(run.join("eval/qa-step-2/report.md")).unwrap();
+    for m in ["| direct |", "| rag |", "| agent |"] {
+        assert!(report.contains(m), "{report}");
+    }
+    let transcripts =
+        std::fs::read_to_string(run.join("eval/qa-step-2/transcripts.jsonl")).unwrap();
+    assert_eq!(transcripts.lines().count(), 12);
+    // kiln eval --task qa of the same checkpoint, other modes and a limit.
+    let out = run_kiln(
+        p.path(),
+        &[
+            "eval",
+            run.to_str().unwrap(),
+            "--task",
+            "qa",
+            "--data",
+            "synthetic",
+            "--mode",
+            "agent,rag",
+            "--limit",
+            "3",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("| synthetic-test | agent | 3 |"),
+        "{}",
+        text(&out)
+    );
+    // Search-R1 reuses the same warm start (it is not rewritten).
+    let ws = p.path().join("runs/search/warm-start/model.safetensors");
+    let before = std::fs::metadata(&ws).unwrap().modified().unwrap();
+    let out = run_kiln(
+        p.path(),
+        &args(
+            "recipes/search_r1.yaml",
+            &["--set", "final_eval.questions=0"],
+        ),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::metadata(&ws).unwrap().modified().unwrap(), before);
+    let r1 = read_metrics(&run_dir(p.path(), "search_r1").join("metrics.jsonl"));
+    assert!(
+        r1[0].get("refiner/intervention_volume").is_none(),
+        "refiner must be off"
+    );
+}
+
+#[test]
+fn bad_search_recipes_and_retrievers_are_clear_errors() {
+    let p = scratch_project();
+    for (set, want) in [
+        ("search.batch.group_size=1", "group_size must be at least 2"),
+        ("search.batch.refinr.enabled=false", "refinr"),
+        ("final_eval.modes=[agent, oracle]", "unknown mode `oracle`"),
+        (
+            "search.sampling.max_new_tokens=0",
+            "max_new_tokens must be at least 1",
+        ),
+    ] {
+        let out = run_kiln(
+            p.path(),
+            &["train", "recipes/search_r2.yaml", "--dry-run", "--set", set],
+        );
+        assert_eq!(out.status.code(), Some(2), "{set}: {}", text(&out));
+        assert!(text(&out).contains(want), "{set}: {}", text(&out));
+        assert!(!text(&out).contains("panicked"), "{}", text(&out));
+    }
+    let out = run_kiln(
+        p.path(),
+        &args(
+            "recipes/search_r2.yaml",
+            &["--set", "retriever=/nonexistent/index"],
+        ),
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("/nonexistent/index"), "{}", text(&out));
+    assert!(!text(&out).contains("panicked"), "{}", text(&out));
+}
