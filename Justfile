@@ -41,6 +41,7 @@ test: setup-test
 bench: build
     bash scripts/bench/grpo_sequence.sh
     bash scripts/retrieval/bench.sh
+    bash scripts/bench/search_r2.sh
     cargo run --release -p kiln-sas --example sudoku_stats
     cargo run --release -p kiln-search --example synthetic_world
     cargo run --release -p kiln-sas --example sas_bench

@@ -340,3 +340,80 @@ impl SearchBackend for RetrieverBackend {
             .collect())
     }
 }
+
+/// The judge prompt of [`LmJudge`]; `{question}`, `{answer}` and `{documents}` are filled in.
+pub const JUDGE_TEMPLATE: &str = "You check whether retrieved documents help answer a question.\nQuestion: {question}\nGold answer: {answer}\nDocuments:\n{documents}\nDo these documents contain information that helps identify the gold answer? Answer yes or no:";
+
+/// The LLM-judge mode of the process reward (METHODS.md: the paper's judge is an LLM): a kiln-lm model
+/// compares the teacher-forced log-probabilities of `" yes"` and `" no"` after [`JUDGE_TEMPLATE`];
+/// `u_i = 1` iff `log p(yes) > log p(no)` and the search returned a passage no earlier search returned
+/// (duplicates count 0, as with the deterministic judge).
+pub struct LmJudge<'a> {
+    /// The judge model (any causal LM; often a larger frozen model than the policy).
+    pub model: &'a Transformer,
+    /// Its tokenizer.
+    pub tokenizer: &'a Tokenizer,
+}
+
+impl crate::reward::ProcessJudge for LmJudge<'_> {
+    fn judge(
+        &mut self,
+        question: &str,
+        gold: &crate::reward::Gold,
+        searches: &[&crate::protocol::SearchCall],
+    ) -> Result<Vec<f64>, Error> {
+        let answer = gold.answers.first().map(String::as_str).unwrap_or("");
+        let mut seen = std::collections::HashSet::new();
+        let mut fresh = Vec::with_capacity(searches.len());
+        let mut prompts = Vec::new();
+        for s in searches {
+            let new = s
+                .passages
+                .iter()
+                .any(|p| !seen.contains(&(p.id.clone(), p.text.clone())));
+            seen.extend(s.passages.iter().map(|p| (p.id.clone(), p.text.clone())));
+            fresh.push(new);
+            if new {
+                prompts.push(
+                    JUDGE_TEMPLATE
+                        .replacen("{question}", question.trim(), 1)
+                        .replacen("{answer}", answer, 1)
+                        .replacen(
+                            "{documents}",
+                            &crate::protocol::format_documents(&s.passages),
+                            1,
+                        ),
+                );
+            }
+        }
+        let cands = vec![" yes".to_string(), " no".to_string()];
+        let reqs: Vec<RefinerRequest<'_>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(index, p)| RefinerRequest {
+                index,
+                prompt: p,
+                candidates: &cands,
+            })
+            .collect();
+        let mut scorer = LmRefiner {
+            model: self.model,
+            tokenizer: self.tokenizer,
+            max_batch: 16,
+        };
+        let scores = scorer.score(&reqs)?;
+        let mut it = scores.into_iter();
+        Ok(fresh
+            .into_iter()
+            .map(|new| {
+                if !new {
+                    return 0.0;
+                }
+                match it.next() {
+                    Some(s) if s.len() == 2 && s[0] > s[1] => 1.0,
+                    _ => 0.0,
+                }
+            })
+            .collect())
+    }
+}

@@ -20,7 +20,9 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::agent::{LmActor, LmRefiner, RetrieverBackend, encode, padded, tokenize_episode};
+use crate::agent::{
+    LmActor, LmJudge, LmRefiner, RetrieverBackend, encode, padded, tokenize_episode,
+};
 use crate::data::QaExample;
 use crate::eval::EvalMode;
 use crate::protocol::{PromptTemplate, Trajectory};
@@ -41,6 +43,23 @@ pub struct SearchTaskConfig {
     pub eval_questions: usize,
     /// Sequences per forward pass when re-scoring (memory bound). Default 64.
     pub max_batch: usize,
+    /// Process-reward judge: `deterministic` (a passage contains a gold alias or is a gold supporting
+    /// passage) or `llm` (a kiln-lm model answers yes/no, see [`crate::agent::LmJudge`]; the policy itself
+    /// unless the recipe's `judge_model` names another model).
+    pub judge: JudgeKind,
+}
+
+/// Which process judge scores the searches.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum JudgeKind {
+    /// Gold alias / supporting passage match.
+    #[default]
+    Deterministic,
+    /// Teacher-forced yes/no of a language model.
+    Llm,
 }
 
 impl Default for SearchTaskConfig {
@@ -55,6 +74,7 @@ impl Default for SearchTaskConfig {
             batch: BatchConfig::default(),
             eval_questions: 100,
             max_batch: 64,
+            judge: JudgeKind::Deterministic,
         }
     }
 }
@@ -86,6 +106,7 @@ pub struct SearchTask {
     cursor: usize,
     epoch: u64,
     seed: u64,
+    judge_model: Option<(Transformer, Tokenizer)>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -130,9 +151,16 @@ impl SearchTask {
             cursor: 0,
             epoch: 0,
             seed,
+            judge_model: None,
         };
         t.shuffle();
         Ok(t)
+    }
+
+    /// Uses `model` as the LLM judge (with `judge: llm`) instead of the policy itself.
+    pub fn with_judge_model(mut self, model: Transformer, tokenizer: Tokenizer) -> Self {
+        self.judge_model = Some((model, tokenizer));
+        self
     }
 
     fn shuffle(&mut self) {
@@ -243,7 +271,21 @@ impl RlTask for SearchTask {
             tokenizer: &self.tokenizer,
             max_batch: self.cfg.max_batch,
         };
-        let mut judge = DeterministicJudge::default();
+        let mut det = DeterministicJudge::default();
+        let mut llm = match &self.judge_model {
+            Some((m, t)) => LmJudge {
+                model: m,
+                tokenizer: t,
+            },
+            None => LmJudge {
+                model: policy,
+                tokenizer: &self.tokenizer,
+            },
+        };
+        let judge: &mut dyn crate::reward::ProcessJudge = match self.cfg.judge {
+            JudgeKind::Deterministic => &mut det,
+            JudgeKind::Llm => &mut llm,
+        };
         let scorer: Option<&mut dyn crate::task::RefinerScorer> = if self.cfg.batch.refiner.enabled
         {
             Some(&mut refiner)
@@ -257,7 +299,7 @@ impl RlTask for SearchTask {
             &mut actor,
             &self.search,
             scorer,
-            &mut judge,
+            judge,
             rng,
         )
         .map_err(task_err)?;

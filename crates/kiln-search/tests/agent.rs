@@ -347,3 +347,51 @@ fn warm_start_learns_and_saves_a_loadable_model() {
     assert_eq!(m.config().vocab_size, tok.vocab_size());
     assert!(out.join("warm_start.json").is_file());
 }
+
+#[test]
+fn llm_judge_scores_fresh_searches_and_zeroes_duplicates() {
+    use kiln_search::agent::LmJudge;
+    use kiln_search::protocol::{Passage, SearchCall};
+    use kiln_search::reward::{Gold, ProcessJudge};
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 21);
+    let p = |id: &str| Passage {
+        id: id.into(),
+        title: "T".into(),
+        text: "Some text.".into(),
+        score: 1.0,
+    };
+    let a = SearchCall {
+        query: "a".into(),
+        passages: vec![p("1"), p("2")],
+    };
+    let dup = a.clone();
+    let gold = Gold {
+        answers: vec!["x".into()],
+        supporting_passage_ids: vec![],
+        supporting_titles: vec![],
+    };
+    let mut j = LmJudge {
+        model: &m,
+        tokenizer: &f.tok,
+    };
+    let u = j.judge("q?", &gold, &[&a, &dup]).unwrap();
+    assert_eq!(u.len(), 2);
+    assert!(u[0] == 0.0 || u[0] == 1.0);
+    assert_eq!(u[1], 0.0, "a duplicate search is never useful");
+    // The verdict is the model's: yes iff log p(" yes") > log p(" no") after the judge prompt.
+    let prompt = kiln_search::agent::JUDGE_TEMPLATE
+        .replacen("{question}", "q?", 1)
+        .replacen("{answer}", "x", 1)
+        .replacen(
+            "{documents}",
+            &kiln_search::protocol::format_documents(&a.passages),
+            1,
+        );
+    let pi = f.tok.encode(&prompt, false).unwrap();
+    let lp = |c: &str| {
+        let row: Vec<u32> = [pi.clone(), f.tok.encode(c, false).unwrap()].concat();
+        continuation_logprobs(&m, &[row], &[pi.len()])[0]
+    };
+    assert_eq!(u[0] == 1.0, lp(" yes") > lp(" no"));
+}

@@ -36,6 +36,9 @@ pub struct SearchRecipe {
     /// A pre-trained policy: HF folder, GGUF file or zoo name (e.g. `smollm2` after `just setup`). Empty: the
     /// tiny `model` trained from random initialisation with the warm start into `init_dir`.
     pub pretrained: String,
+    /// The LLM judge of the process reward when `search.judge: llm` (HF folder, GGUF or zoo name; empty = the
+    /// policy itself, same weights).
+    pub judge_model: String,
     /// Wrap the agent prompt in the tokenizer's chat template (instruct models).
     pub chat_template: bool,
     /// Where the warm-started policy lives (created when absent; shared by Search-R1 and Search-R2 runs).
@@ -88,6 +91,7 @@ impl Default for SearchRecipe {
     fn default() -> Self {
         SearchRecipe {
             pretrained: String::new(),
+            judge_model: String::new(),
             chat_template: false,
             init_dir: PathBuf::from("runs/search/warm-start"),
             model: TransformerConfig {
@@ -401,7 +405,7 @@ pub fn train(
         }
     );
     let template = agent_template(r, &tok);
-    let task = SearchTask::new(
+    let mut task = SearchTask::new(
         r.search.clone(),
         tok.clone(),
         template,
@@ -410,6 +414,11 @@ pub fn train(
         env.dev.clone(),
         common.seed,
     )?;
+    if !r.judge_model.is_empty() {
+        let (jm, jt) = kiln_lm::zoo::load_with_tokenizer(&r.judge_model, &device)
+            .with_context(|| format!("loading the judge model {}", r.judge_model))?;
+        task = task.with_judge_model(jm, jt);
+    }
     super::drive(task, model, ad, common, resolved, run_dir, resumed)?;
     if r.final_eval.questions > 0 {
         let (ckpt, _) = super::locate_checkpoint(run_dir)?;
