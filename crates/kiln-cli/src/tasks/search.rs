@@ -349,9 +349,12 @@ pub fn load_policy(
             dir,
             &ad,
             seed,
-            |_, loss| {
+            |step, loss| {
                 pb.set_message(format!("warm start loss {loss:.3}"));
                 pb.inc(1);
+                if step % 50 == 0 {
+                    tracing::info!("warm start step {step}: loss {loss:.3}");
+                }
             },
         )?;
         pb.finish_and_clear();
@@ -512,7 +515,14 @@ pub fn eval_checkpoint(
             records.extend(recs);
         }
     }
-    let dir = run_dir.join("eval").join(format!("qa-step-{step}"));
+    // The final table of a training run goes to qa-step-N; `kiln eval` reports are named after their data.
+    let names: Vec<&str> = sets.iter().map(|(n, _)| n.as_str()).collect();
+    let label = if names == ["heldout"] {
+        String::new()
+    } else {
+        format!("-{}", names.join("+"))
+    };
+    let dir = run_dir.join("eval").join(format!("qa-step-{step}{label}"));
     let (summaries, files) = write_report(
         &dir,
         &format!("QA evaluation of {} (step {step})", ckpt.display()),
