@@ -20,7 +20,10 @@ fn shared(rel: &str) -> String {
 fn sas_sudoku_chain_runs_end_to_end() {
     let p = scratch_project();
     let magic = shared("sudoku/magictour_top1465.jsonl");
-    let magic_set = format!("final_eval.sets.1.path={magic}");
+    let sets = format!(
+        "final_eval.sets=[{{name: gen, generated: {{side: 9, count: 6, givens: [36], seed: 303}}}}, \
+         {{name: magictour_top1465, path: \"{magic}\", limit: 2, schedules: [margin, learned]}}]"
+    );
     let out = run_kiln(
         p.path(),
         &[
@@ -49,11 +52,9 @@ fn sas_sudoku_chain_runs_end_to_end() {
             "--set",
             "trainer.steps=2",
             "--set",
-            "final_eval.sets.0.generated.count=6",
+            &sets,
             "--set",
-            &magic_set,
-            "--set",
-            "final_eval.sets.1.limit=2",
+            "final_eval.schedules=[random, expert, confidence, margin, learned]",
             "--set",
             "final_eval.image_puzzles=2",
             "--set",
@@ -66,15 +67,27 @@ fn sas_sudoku_chain_runs_end_to_end() {
     let run = only_run_dir_with(p.path(), "sas_sudoku");
     let rows = read_metrics(&run.join("metrics.jsonl"));
     assert_eq!(rows.len(), 2, "two GRPO steps logged");
-    assert!(rows[0]["reward/mean"].as_f64().unwrap() < 0.0, "log-prob rewards");
-    assert!(p.path().join("runs/sas/denoiser-9x9/denoiser.bpk").is_file());
+    assert!(
+        rows[0]["reward/mean"].as_f64().unwrap() < 0.0,
+        "log-prob rewards"
+    );
+    assert!(
+        p.path()
+            .join("runs/sas/denoiser-9x9/denoiser.bpk")
+            .is_file()
+    );
     let md = std::fs::read_to_string(run.join("eval/sudoku.md")).unwrap();
     for s in ["| random |", "| margin |", "| learned |", "| expert |"] {
         assert!(md.contains(s), "{s} missing from\n{md}");
     }
     assert!(md.contains("magictour_top1465 (2 puzzles"), "{md}");
+    let magic_table = md.split("magictour_top1465").nth(1).unwrap();
+    assert!(
+        !magic_table.contains("| random |"),
+        "per-set schedules:\n{md}"
+    );
     assert!(md.contains("learned - best heuristic"), "{md}");
-    assert!(run.join("eval/orders-generated-36-givens.png").is_file());
+    assert!(run.join("eval/orders-gen.png").is_file());
     // kiln eval of the run on one puzzle file (three magictour puzzles).
     let lines: Vec<String> = std::fs::read_to_string(&magic)
         .unwrap()
@@ -104,7 +117,10 @@ fn sas_sudoku_chain_runs_end_to_end() {
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(log.contains("three (3 puzzles"), "{log}");
-    assert!(log.contains("| learned |") && !log.contains("| random |"), "{log}");
+    assert!(
+        log.contains("| learned |") && !log.contains("| random |"),
+        "{log}"
+    );
     let out = run_kiln(p.path(), &["eval", &runs, "--task", "gsm8k"]);
     assert!(!out.status.success());
     assert!(text(&out).contains("sas_gsm8k"), "{}", text(&out));
@@ -182,7 +198,10 @@ fn sas_gsm8k_smoke_trains_the_text_policy_and_evaluates() {
     );
     let log = text(&out);
     assert!(out.status.success(), "{log}");
-    assert!(log.contains("(2 problems)") && log.contains("| learned |"), "{log}");
+    assert!(
+        log.contains("(2 problems)") && log.contains("| learned |"),
+        "{log}"
+    );
     let out = run_kiln(p.path(), &["eval", &runs, "--task", "sudoku"]);
     assert!(!out.status.success());
 }

@@ -419,7 +419,10 @@ mod tests {
                 let c = Constraints::of(Shape::NINE, &cells);
                 for j in 0..81 {
                     if cells[j] == 0 {
-                        assert!(c.cand[j] & (1 << sol[j]) != 0, "solution digit not a candidate");
+                        assert!(
+                            c.cand[j] & (1 << sol[j]) != 0,
+                            "solution digit not a candidate"
+                        );
                         assert!(c.forced[j] == 0 || c.forced[j] == 1 << sol[j]);
                         n_forced += (c.forced[j] != 0) as usize;
                     } else {
@@ -452,16 +455,24 @@ mod tests {
         let mut f = Vec::new();
         fb.push_board(&lp, &cells, &allowed, &mut f);
         let row = &f[8 * fb.dim()..9 * fb.dim()];
-        assert!((row[F_CONSTRAINTS] - 1.0 / 9.0).abs() < 1e-6, "one candidate");
+        assert!(
+            (row[F_CONSTRAINTS] - 1.0 / 9.0).abs() < 1e-6,
+            "one candidate"
+        );
         assert_eq!(row[F_CONSTRAINTS + 1], 1.0, "naked single");
         assert_eq!(row[F_CONSTRAINTS + 3], 1.0, "forced");
-        assert!((row[F_CONSTRAINTS + 5] - 1.0 / 9.0).abs() < 1e-5, "legal mass");
+        assert!(
+            (row[F_CONSTRAINTS + 5] - 1.0 / 9.0).abs() < 1e-5,
+            "legal mass"
+        );
         // Without constraint features the columns are zeros.
         let mut g = Vec::new();
         Features::with_constraints(Shape::NINE, false).push_board(&lp, &cells, &allowed, &mut g);
-        assert!(g[8 * fb.dim() + F_CONSTRAINTS..8 * fb.dim() + F_CONSTRAINTS + 6]
-            .iter()
-            .all(|x| *x == 0.0));
+        assert!(
+            g[8 * fb.dim() + F_CONSTRAINTS..8 * fb.dim() + F_CONSTRAINTS + 6]
+                .iter()
+                .all(|x| *x == 0.0)
+        );
     }
 
     #[test]

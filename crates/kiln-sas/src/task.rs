@@ -157,12 +157,7 @@ pub fn teacher_forced_rollout(
         let mut al = Vec::with_capacity(b * n);
         for (j, &k) in active.iter().enumerate() {
             let a = allowed_cells(&masked[k], block_len);
-            feats.push_board(
-                &lp[j * n * side..(j + 1) * n * side],
-                &cells[k],
-                &a,
-                &mut f,
-            );
+            feats.push_board(&lp[j * n * side..(j + 1) * n * side], &cells[k], &a, &mut f);
             al.extend(a);
         }
         let ft = Tensor::<3>::from_data(TensorData::new(f.clone(), [b, n, fd]), &device);

@@ -147,7 +147,10 @@ impl TextPolicyConfig {
         if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
             return e(
                 "policy.n_heads",
-                format!("must divide d_model {} (got {})", self.d_model, self.n_heads),
+                format!(
+                    "must divide d_model {} (got {})",
+                    self.d_model, self.n_heads
+                ),
             );
         }
         if self.d_ff == 0 {
@@ -239,7 +242,10 @@ impl TextOrderPolicy {
             .swap_dims(1, 2)
             .reshape([n, p, d]);
         let h = h + self.out.forward(a);
-        let h = h.clone() + self.ff2.forward(gelu(self.ff1.forward(self.ln2.forward(h))));
+        let h = h.clone()
+            + self
+                .ff2
+                .forward(gelu(self.ff1.forward(self.ln2.forward(h))));
         (self.head.forward(h) + self.skip.forward(features)).reshape([n, p])
     }
 
@@ -269,7 +275,8 @@ impl TextOrderPolicy {
         temperature: f64,
     ) -> Vec<f32> {
         let device = self.device();
-        let ft = Tensor::<3>::from_data(TensorData::new(features, [b, p, N_TEXT_FEATURES]), &device);
+        let ft =
+            Tensor::<3>::from_data(TensorData::new(features, [b, p, N_TEXT_FEATURES]), &device);
         let at = Tensor::<2, Bool>::from_data(TensorData::new(allowed, [b, p]), &device);
         self.log_probs(ft, at, temperature)
             .into_data()
@@ -649,11 +656,8 @@ mod tests {
         assert!(lp.iter().all(|v| *v <= 1e-6 && *v > -20.0));
         // The last step of each block has one choice: log-prob 0.
         assert!(lp[3].abs() < 1e-5 && lp[7].abs() < 1e-5);
-        let adv = kiln_rl::advantage::batch_advantages(
-            &ro.rewards,
-            3,
-            kiln_rl::AdvantageEstimator::Grpo,
-        );
+        let adv =
+            kiln_rl::advantage::batch_advantages(&ro.rewards, 3, kiln_rl::AdvantageEstimator::Grpo);
         for g in adv.chunks(3) {
             assert!(g.iter().sum::<f64>().abs() < 1e-9);
         }

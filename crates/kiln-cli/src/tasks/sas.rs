@@ -27,14 +27,14 @@ use kiln_sas::eval::{ScheduleOutcome, draw_orders, markdown, report, run_schedul
 use kiln_sas::gsm8k::{
     LladaDecodeConfig, answers_match, extract_answer, llada_generate, load_gsm8k,
 };
-use kiln_sas::text::{
-    PosStats, TextExample, TextOrderPolicy, TextPolicyConfig, TextSasSettings, TextSasTask,
-    left_pad,
-};
 use kiln_sas::policy::{OrderPolicy, PolicyConfig};
 use kiln_sas::schedule::{DecodeConfig, Schedule};
 use kiln_sas::sudoku::{LoadOptions, Puzzle, Shape, load_file};
 use kiln_sas::task::{SasConfig, SasTask, Stage2Config, stage2};
+use kiln_sas::text::{
+    PosStats, TextExample, TextOrderPolicy, TextPolicyConfig, TextSasSettings, TextSasTask,
+    left_pad,
+};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
@@ -934,14 +934,18 @@ const TINY_LM_FILE: &str = "denoiser-lm.bpk";
 
 /// Load the LM of `r`: the HF folder / GGUF of `model_path`, or the tiny preset (initialised
 /// from the run's seed and saved to `run_dir`, or reloaded from there when it exists).
-fn load_text_lm(r: &GsmRecipe, device: &Device, run_dir: &Path, seed: u64) -> anyhow::Result<TextLm> {
+fn load_text_lm(
+    r: &GsmRecipe,
+    device: &Device,
+    run_dir: &Path,
+    seed: u64,
+) -> anyhow::Result<TextLm> {
     let (model, tokenizer) = if r.model_path.is_empty() {
         let path = run_dir.join(TINY_LM_FILE);
         let m = if path.is_file() {
-            r.model
-                .init(device)
-                .try_load_file(&path)
-                .map_err(|e| anyhow::anyhow!("{}: cannot load the tiny denoiser: {e}", path.display()))?
+            r.model.init(device).try_load_file(&path).map_err(|e| {
+                anyhow::anyhow!("{}: cannot load the tiny denoiser: {e}", path.display())
+            })?
         } else {
             device.seed(seed);
             let m = r.model.init(device);
@@ -961,7 +965,11 @@ fn load_text_lm(r: &GsmRecipe, device: &Device, run_dir: &Path, seed: u64) -> an
     let mask = cfg.mask_token_id.ok_or_else(|| {
         anyhow::anyhow!(
             "`{}` has no mask_token_id: SAS needs a masked-diffusion LM (LLaDA)",
-            if r.model_path.is_empty() { "model" } else { &r.model_path }
+            if r.model_path.is_empty() {
+                "model"
+            } else {
+                &r.model_path
+            }
         )
     })?;
     anyhow::ensure!(
@@ -972,7 +980,11 @@ fn load_text_lm(r: &GsmRecipe, device: &Device, run_dir: &Path, seed: u64) -> an
     let pad = r
         .train
         .answer_pad_token
-        .or_else(|| cfg.eos_token_id.as_ref().and_then(|e| e.to_vec().first().copied()))
+        .or_else(|| {
+            cfg.eos_token_id
+                .as_ref()
+                .and_then(|e| e.to_vec().first().copied())
+        })
         .or(cfg.pad_token_id)
         .unwrap_or(0);
     Ok(TextLm {
@@ -1098,7 +1110,11 @@ pub fn run_gsm8k(
             temperature: r.policy.temperature,
             seed: common.seed,
         };
-        let task = TextSasTask::new(Box::new(stats_forward(&lm.model, lm.mask)), examples, settings);
+        let task = TextSasTask::new(
+            Box::new(stats_forward(&lm.model, lm.mask)),
+            examples,
+            settings,
+        );
         let ad = device.clone().autodiff();
         ad.seed(common.seed);
         let policy = r.policy.init(&ad);
@@ -1110,7 +1126,11 @@ pub fn run_gsm8k(
     gsm8k_eval(r, common, &lm, policy.as_ref(), &r.data, run_dir)
 }
 
-fn load_text_policy(r: &GsmRecipe, ckpt: &Path, device: &Device) -> anyhow::Result<TextOrderPolicy> {
+fn load_text_policy(
+    r: &GsmRecipe,
+    ckpt: &Path,
+    device: &Device,
+) -> anyhow::Result<TextOrderPolicy> {
     let ckpt = resolve_checkpoint(ckpt)?;
     let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
     r.policy
@@ -1169,7 +1189,15 @@ fn gsm8k_eval(
                 .collect::<anyhow::Result<_>>()?;
             let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
             let prompts = left_pad(&refs, lm.pad);
-            let outs = llada_generate(&mut forward, vocab, &prompts, &dc, lm.mask, policy, &mut rng);
+            let outs = llada_generate(
+                &mut forward,
+                vocab,
+                &prompts,
+                &dc,
+                lm.mask,
+                policy,
+                &mut rng,
+            );
             for (p, o) in chunk.iter().zip(outs) {
                 let text = lm.decode(&o);
                 let pred = extract_answer(&text);
@@ -1233,5 +1261,12 @@ pub fn eval_gsm8k(
         s.push(Schedule::Learned);
         r.eval_schedules = s;
     }
-    gsm8k_eval(&r, common, &lm, Some(&policy), data.unwrap_or(&r.data), run_dir)
+    gsm8k_eval(
+        &r,
+        common,
+        &lm,
+        Some(&policy),
+        data.unwrap_or(&r.data),
+        run_dir,
+    )
 }
