@@ -21,8 +21,9 @@ use regex::Regex;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::policy::cell_stats;
+use crate::policy::allowed_cells;
 use crate::schedule::Schedule;
+use crate::text::{N_TEXT_FEATURES, StatsForward, TextOrderPolicy, text_features};
 
 fn number_re() -> &'static Regex {
     static RE: OnceLock<Regex> = OnceLock::new();
@@ -157,7 +158,7 @@ pub struct LladaDecodeConfig {
     /// Semi-autoregressive block length (LLaDA GSM8K: 32); must divide `gen_length`.
     pub block_length: usize,
     /// Which masked positions to reveal: confidence (LLaDA's low-confidence remasking), margin,
-    /// entropy, random or left_to_right.
+    /// entropy, random, left_to_right, or learned (the trained text order policy).
     pub schedule: Schedule,
 }
 
@@ -198,10 +199,10 @@ impl LladaDecodeConfig {
                 ),
             );
         }
-        if matches!(self.schedule, Schedule::Expert | Schedule::Learned) {
+        if self.schedule == Schedule::Expert {
             return e(
                 "decode.schedule",
-                "expert is Sudoku-only and learned needs a trained text policy; use confidence, margin, entropy, random or left_to_right".into(),
+                "expert is Sudoku-only; use confidence, margin, entropy, random, left_to_right or learned".into(),
             );
         }
         Ok(())
@@ -216,20 +217,19 @@ pub fn transfer_schedule(n: usize, steps: usize) -> Vec<usize> {
     (0..steps).map(|s| base + (s < rem) as usize).collect()
 }
 
-/// A masked-diffusion LM as the decoder sees it: token rows `[b, len]` (row-major) -> log-probs
-/// `[b, len, vocab]` (row-major, on the host). kiln-cli passes kiln-lm's LLaDA-style transformer;
-/// keeping this a closure keeps kiln-sas independent of the model zoo.
-pub type MdmForward<'a> = dyn FnMut(&[u32], usize, usize) -> Vec<f32> + 'a;
-
 /// Generate `cfg.gen_length` tokens after each prompt (rows of equal length) with the
-/// masked-diffusion LM `forward` (vocabulary `vocab`) whose mask token is `mask_id`. Returns the
-/// generated tokens only.
+/// masked-diffusion LM behind `forward` (see [`StatsForward`]; the mask token must never be its
+/// prediction) whose mask token is `mask_id` and vocabulary `vocab`. With
+/// [`Schedule::Learned`], `policy` scores the positions (greedy: its `k` most likely allowed
+/// positions). Returns the generated tokens only.
+#[allow(clippy::too_many_arguments)]
 pub fn llada_generate(
-    forward: &mut MdmForward<'_>,
+    forward: &mut StatsForward<'_>,
     vocab: usize,
     prompts: &[Vec<u32>],
     cfg: &LladaDecodeConfig,
     mask_id: u32,
+    policy: Option<&TextOrderPolicy>,
     rng: &mut ChaCha8Rng,
 ) -> Vec<Vec<u32>> {
     let b = prompts.len();
@@ -237,7 +237,8 @@ pub fn llada_generate(
         return Vec::new();
     }
     let pl = prompts[0].len();
-    let len = pl + cfg.gen_length;
+    let g = cfg.gen_length;
+    let len = pl + g;
     let mut x: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
@@ -246,47 +247,64 @@ pub fn llada_generate(
             r
         })
         .collect();
-    let blocks = cfg.gen_length / cfg.block_length.max(1);
+    let mut masked = vec![vec![true; g]; b];
+    let blocks = g / cfg.block_length.max(1);
     let steps_per_block = (cfg.steps / blocks.max(1)).max(1);
-    for blk in 0..blocks {
-        let lo = pl + blk * cfg.block_length;
-        let hi = lo + cfg.block_length;
+    for _blk in 0..blocks {
         let per_step = transfer_schedule(cfg.block_length, steps_per_block);
         for &k in &per_step {
             let flat: Vec<u32> = x.iter().flatten().copied().collect();
-            let lp = forward(&flat, b, len);
-            let v = vocab;
-            if lp.len() != b * len * v {
+            let stats = forward(&flat, b, len, None);
+            if stats.len() != b * len {
                 tracing::error!(
-                    "the model returned {} log-probs, expected {b} x {len} x {v}; decoding stops",
-                    lp.len()
+                    "the model returned {} positions, expected {b} x {len}; decoding stops",
+                    stats.len()
                 );
                 return x.into_iter().map(|r| r[pl..].to_vec()).collect();
             }
+            let allowed: Vec<Vec<bool>> = masked
+                .iter()
+                .map(|m| allowed_cells(m, cfg.block_length))
+                .collect();
+            let learned: Option<Vec<f32>> = match (cfg.schedule, policy) {
+                (Schedule::Learned, Some(pol)) => {
+                    let mut f = Vec::with_capacity(b * g * N_TEXT_FEATURES);
+                    for r in 0..b {
+                        text_features(
+                            &stats[r * len + pl..(r + 1) * len],
+                            &masked[r],
+                            &allowed[r],
+                            cfg.block_length,
+                            vocab,
+                            &mut f,
+                        );
+                    }
+                    let al: Vec<bool> = allowed.iter().flatten().copied().collect();
+                    Some(pol.host_log_probs(f, al, b, g, 1.0))
+                }
+                _ => None,
+            };
             for (r, row) in x.iter_mut().enumerate() {
                 let mut cand: Vec<(f32, usize, u32)> = Vec::new();
-                for i in lo..hi {
-                    if row[i] != mask_id {
+                for j in 0..g {
+                    if !allowed[r][j] {
                         continue;
                     }
-                    let mut l = lp[(r * len + i) * v..(r * len + i + 1) * v].to_vec();
-                    // The mask token is never a prediction.
-                    if (mask_id as usize) < v {
-                        l[mask_id as usize] = f32::NEG_INFINITY;
-                    }
-                    let s = cell_stats(&l);
+                    let s = stats[r * len + pl + j];
                     let score = match cfg.schedule {
                         Schedule::Margin => s.margin,
                         Schedule::Entropy => -s.entropy,
                         Schedule::Random => rng.random::<f32>(),
-                        Schedule::LeftToRight => -(i as f32),
+                        Schedule::LeftToRight => -(j as f32),
+                        Schedule::Learned => learned.as_ref().map_or(s.top1, |l| l[r * g + j]),
                         _ => s.top1,
                     };
-                    cand.push((score, i, s.argmax as u32));
+                    cand.push((score, j, s.argmax));
                 }
                 cand.sort_by(|a, c| c.0.total_cmp(&a.0).then(a.1.cmp(&c.1)));
-                for &(_, i, tok) in cand.iter().take(k) {
-                    row[i] = tok;
+                for &(_, j, tok) in cand.iter().take(k) {
+                    row[pl + j] = tok;
+                    masked[r][j] = false;
                 }
             }
         }
@@ -381,20 +399,23 @@ mod tests {
             ..Default::default()
         }
         .init(&device);
-        let mut forward = |toks: &[u32], b: usize, len: usize| -> Vec<f32> {
+        let mut forward = |toks: &[u32], b: usize, len: usize, _t: Option<&[u32]>| {
             let lp = digit_log_probs(&model, toks, b, len);
-            let mut out = Vec::with_capacity(b * len * 10);
-            for row in lp.chunks(9) {
-                out.push(f32::NEG_INFINITY);
-                out.extend_from_slice(row);
-            }
-            out
+            lp.chunks(9)
+                .map(|row| {
+                    let mut s = crate::text::stats_of_log_probs(row, None);
+                    s.argmax += 1; // digits are tokens 1..=9
+                    s
+                })
+                .collect::<Vec<_>>()
         };
+        let pol = crate::text::TextPolicyConfig::default().init(&device);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         for schedule in [
             Schedule::Confidence,
             Schedule::Random,
             Schedule::LeftToRight,
+            Schedule::Learned,
         ] {
             let dc = LladaDecodeConfig {
                 gen_length: 8,
@@ -409,6 +430,7 @@ mod tests {
                 &[vec![1, 2, 3], vec![4, 5, 6]],
                 &dc,
                 0,
+                Some(&pol),
                 &mut rng,
             );
             assert_eq!(out.len(), 2);

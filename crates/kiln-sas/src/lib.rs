@@ -8,7 +8,8 @@
 //! - [`policy`]: the order policy (MLP over per-position denoiser features, masked softmax);
 //! - [`task`]: the self-aware reward, the GRPO task for kiln-rl's trainer, and stage 2;
 //! - [`eval`]: accuracy tables with bootstrap confidence intervals, order images;
-//! - [`gsm8k`]: GSM8K answer extraction and LLaDA-style decoding for masked diffusion LMs.
+//! - [`gsm8k`]: GSM8K answer extraction and LLaDA-style decoding for masked diffusion LMs;
+//! - [`text`]: the text order policy (one transformer layer) and its self-aware GRPO task.
 
 pub mod denoiser;
 pub mod eval;
@@ -17,3 +18,4 @@ pub mod policy;
 pub mod schedule;
 pub mod sudoku;
 pub mod task;
+pub mod text;

@@ -4,9 +4,17 @@
 //! before the softmax, so their probability is exactly 0.
 //!
 //! Features of position `i` ([`N_BASE_FEATURES`] + 3 x side one-hots):
-//! top-1 probability, top1 - top2 margin, entropy / ln(side), log top-1 probability / 10,
-//! top-1 and margin relative to the best allowed position, a masked flag, the revealed
-//! fraction of the board, and one-hot row, column and box.
+//! - from the denoiser's digit distribution: top-1 probability, top1 - top2 margin,
+//!   entropy / ln(side), log top-1 probability / 10, top-1 and margin relative to the best
+//!   allowed position;
+//! - a masked flag and the revealed fraction of the board;
+//! - Sudoku-constraint features of the current board (givens + revealed digits), which the
+//!   denoiser-only heuristics do not see ([`PolicyConfig::constraint_features`]; zeros when
+//!   off): number of candidate digits consistent with the revealed cells / side, a naked-single
+//!   flag, whether the denoiser's top digit is a legal candidate, whether the cell is forced
+//!   (naked or hidden single), whether the forced digit is the denoiser's top digit, and the
+//!   probability mass the denoiser puts on legal digits;
+//! - one-hot row, column and box.
 
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
@@ -18,7 +26,13 @@ use serde::{Deserialize, Serialize};
 use crate::sudoku::Shape;
 
 /// Number of non-positional features per position.
-pub const N_BASE_FEATURES: usize = 8;
+pub const N_BASE_FEATURES: usize = 14;
+/// Index of the top-1 probability feature.
+pub const F_TOP1: usize = 0;
+/// Index of the top1 - top2 margin feature.
+pub const F_MARGIN: usize = 1;
+/// Index of the first Sudoku-constraint feature (six of them).
+pub const F_CONSTRAINTS: usize = 8;
 /// Logit given to positions that may not be chosen (finite so that `0 * logit` stays 0).
 pub const MASKED_LOGIT: f32 = -1.0e9;
 
@@ -37,6 +51,13 @@ pub struct PolicyConfig {
     /// (near) uniform random order; a positive value starts near the confidence schedule, which
     /// GRPO then improves (the policy stays free to move away from it).
     pub init_confidence_weight: f64,
+    /// Initial weight of the linear skip path on the top1 - top2 margin feature (a positive
+    /// value starts near the margin schedule).
+    pub init_margin_weight: f64,
+    /// Feed the Sudoku-constraint features (candidate count, naked/hidden single, legality of
+    /// the denoiser's top digit, legal probability mass); false = denoiser-confidence and
+    /// positional features only (the constraint columns are zeros).
+    pub constraint_features: bool,
     /// Sampling temperature of rollouts (the re-scoring pass uses the same temperature).
     pub temperature: f64,
 }
@@ -46,6 +67,8 @@ impl Default for PolicyConfig {
         Self {
             hidden: 64,
             init_confidence_weight: 0.0,
+            init_margin_weight: 0.0,
+            constraint_features: true,
             temperature: 1.0,
         }
     }
@@ -62,6 +85,9 @@ pub struct OrderPolicy {
     pub out: Linear,
     /// Linear skip path `[F, 1]`.
     pub skip: Linear,
+    /// Whether the Sudoku-constraint feature columns are filled (see [`Features`]).
+    #[module(skip)]
+    pub constraint_features: bool,
 }
 
 impl OrderPolicy {
@@ -72,7 +98,8 @@ impl OrderPolicy {
         let mut skip = LinearConfig::new(f, 1).init(device);
         // Start the skip path at zero except the confidence weight.
         let mut w = vec![0f32; f];
-        w[0] = cfg.init_confidence_weight as f32;
+        w[F_TOP1] = cfg.init_confidence_weight as f32;
+        w[F_MARGIN] = cfg.init_margin_weight as f32;
         skip.weight = Param::from_tensor(Tensor::from_data(TensorData::new(w, [f, 1]), device));
         skip.bias = Some(Param::from_tensor(Tensor::zeros([1], device)));
         let mut out = LinearConfig::new(h, 1).init(device);
@@ -83,7 +110,13 @@ impl OrderPolicy {
             l2: LinearConfig::new(h, h).init(device),
             out,
             skip,
+            constraint_features: cfg.constraint_features,
         }
+    }
+
+    /// The feature builder this policy expects for boards of `shape`.
+    pub fn features(&self, shape: Shape) -> Features {
+        Features::with_constraints(shape, self.constraint_features)
     }
 
     /// features `[N, P, F]` -> logits `[N, P]` (unmasked).
@@ -118,11 +151,17 @@ impl OrderPolicy {
 pub struct Features {
     shape: Shape,
     positional: Vec<f32>,
+    constraints: bool,
 }
 
 impl Features {
-    /// For boards of `shape`.
+    /// For boards of `shape`, with the Sudoku-constraint features.
     pub fn new(shape: Shape) -> Features {
+        Features::with_constraints(shape, true)
+    }
+
+    /// For boards of `shape`; `constraints` = false leaves the constraint columns at zero.
+    pub fn with_constraints(shape: Shape, constraints: bool) -> Features {
         let side = shape.side();
         let b = shape.box_size();
         let n = shape.n_cells();
@@ -135,7 +174,11 @@ impl Features {
             row[side + c] = 1.0;
             row[2 * side + bx] = 1.0;
         }
-        Features { shape, positional }
+        Features {
+            shape,
+            positional,
+            constraints,
+        }
     }
 
     /// Features per position.
@@ -144,13 +187,18 @@ impl Features {
     }
 
     /// Append the features `[n, F]` of one board to `out`: `lp` are the digit log-probabilities
-    /// `[n, side]`, `masked[i]` whether cell `i` is still masked, `allowed[i]` whether it may be
-    /// chosen now.
-    pub fn push_board(&self, lp: &[f32], masked: &[bool], allowed: &[bool], out: &mut Vec<f32>) {
+    /// `[n, side]`, `cells[i]` the board (0 = still masked, else the given or revealed digit),
+    /// `allowed[i]` whether cell `i` may be chosen now.
+    pub fn push_board(&self, lp: &[f32], cells: &[u8], allowed: &[bool], out: &mut Vec<f32>) {
         let side = self.shape.side();
         let n = self.shape.n_cells();
         let ln_side = (side as f32).ln();
-        let revealed = masked.iter().filter(|m| !**m).count() as f32 / n as f32;
+        let revealed = cells.iter().filter(|c| **c != 0).count() as f32 / n as f32;
+        let cons = if self.constraints {
+            Some(Constraints::of(self.shape, cells))
+        } else {
+            None
+        };
         let mut stats = Vec::with_capacity(n);
         let (mut best_top, mut best_margin) = (0f32, 0f32);
         for i in 0..n {
@@ -162,7 +210,7 @@ impl Features {
             stats.push(s);
         }
         for (i, s) in stats.iter().enumerate() {
-            if masked[i] {
+            if cells[i] == 0 {
                 out.extend_from_slice(&[
                     s.top1,
                     s.margin,
@@ -173,11 +221,108 @@ impl Features {
                     1.0,
                     revealed,
                 ]);
+                match &cons {
+                    Some(c) => {
+                        let cand = c.cand[i];
+                        let n_cand = cand.count_ones();
+                        let top = 1u16 << (s.argmax + 1);
+                        let forced = c.forced[i];
+                        let legal_mass: f32 = (1..=side)
+                            .filter(|d| cand & (1 << d) != 0)
+                            .map(|d| lp[i * side + d - 1].exp())
+                            .sum();
+                        out.extend_from_slice(&[
+                            n_cand as f32 / side as f32,
+                            (n_cand == 1) as u8 as f32,
+                            (cand & top != 0) as u8 as f32,
+                            (forced != 0) as u8 as f32,
+                            (forced & top != 0) as u8 as f32,
+                            legal_mass,
+                        ]);
+                    }
+                    None => out.extend_from_slice(&[0.0; 6]),
+                }
             } else {
                 out.extend_from_slice(&[0.0, 0.0, 0.0, 0.0, -1.0, -1.0, 0.0, revealed]);
+                out.extend_from_slice(&[0.0; 6]);
             }
             out.extend_from_slice(&self.positional[i * 3 * side..(i + 1) * 3 * side]);
         }
+    }
+}
+
+/// Candidate digits of every cell of a partially filled board (bit `d` set = digit `d` is not
+/// yet used in the cell's row, column or box) and the digits that are forced there (naked
+/// single: the only candidate; hidden single: the only cell of a row, column or box that can
+/// take the digit). Filled cells have no candidates.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Constraints {
+    /// Candidate bitmask per cell (bit `d` for digit `d`, 1-based).
+    pub cand: Vec<u16>,
+    /// Forced-digit bitmask per cell (a subset of `cand`).
+    pub forced: Vec<u16>,
+}
+
+impl Constraints {
+    /// Candidates and forced digits of `cells` (0 = empty).
+    pub fn of(shape: Shape, cells: &[u8]) -> Constraints {
+        let side = shape.side();
+        let b = shape.box_size();
+        let n = shape.n_cells();
+        let unit = |i: usize| {
+            let (r, c) = (i / side, i % side);
+            [r, side + c, 2 * side + (r / b) * b + c / b]
+        };
+        let mut used = vec![0u16; 3 * side];
+        for (i, &v) in cells.iter().enumerate() {
+            if v != 0 {
+                for u in unit(i) {
+                    used[u] |= 1 << v;
+                }
+            }
+        }
+        let full: u16 = ((1u32 << (side + 1)) - 2) as u16;
+        let cand: Vec<u16> = (0..n)
+            .map(|i| {
+                if cells[i] != 0 {
+                    0
+                } else {
+                    let [a, bb, c] = unit(i);
+                    full & !(used[a] | used[bb] | used[c])
+                }
+            })
+            .collect();
+        // Cells of each unit that can take each digit.
+        let mut count = vec![0u8; 3 * side * (side + 1)];
+        for (i, &cm) in cand.iter().enumerate() {
+            for d in 1..=side {
+                if cm & (1 << d) != 0 {
+                    for u in unit(i) {
+                        count[u * (side + 1) + d] += 1;
+                    }
+                }
+            }
+        }
+        let forced = (0..n)
+            .map(|i| {
+                let cm = cand[i];
+                if cm == 0 {
+                    return 0;
+                }
+                if cm.count_ones() == 1 {
+                    return cm;
+                }
+                let mut f = 0u16;
+                for d in 1..=side {
+                    if cm & (1 << d) != 0 && unit(i).iter().any(|&u| count[u * (side + 1) + d] == 1)
+                    {
+                        f |= 1 << d;
+                    }
+                }
+                f
+            })
+            .collect();
+        Constraints { cand, forced }
     }
 }
 
@@ -257,6 +402,79 @@ mod tests {
         assert_eq!(s.argmax, 0);
     }
 
+    /// On a board whose filled cells agree with the solution, every cell's candidates contain
+    /// its solution digit and a forced digit is always the solution digit; a board with one
+    /// blank has a naked single there; the expert's singles are forced.
+    #[test]
+    fn constraints_are_sound_on_consistent_boards() {
+        use crate::sudoku::{GenParams, generate};
+        let ps = generate(&GenParams::new(4, 30, 17)).unwrap();
+        let mut n_forced = 0;
+        for p in &ps {
+            let sol = p.solution.cells();
+            let mut cells = p.puzzle.cells().to_vec();
+            let fills = p.expert_order().unwrap().fills;
+            for f in &fills {
+                let i = f.cell;
+                let c = Constraints::of(Shape::NINE, &cells);
+                for j in 0..81 {
+                    if cells[j] == 0 {
+                        assert!(
+                            c.cand[j] & (1 << sol[j]) != 0,
+                            "solution digit not a candidate"
+                        );
+                        assert!(c.forced[j] == 0 || c.forced[j] == 1 << sol[j]);
+                        n_forced += (c.forced[j] != 0) as usize;
+                    } else {
+                        assert_eq!((c.cand[j], c.forced[j]), (0, 0));
+                    }
+                }
+                if f.technique != crate::sudoku::Technique::Search {
+                    assert_eq!(c.forced[i], 1 << sol[i], "an expert single is forced");
+                }
+                cells[i] = sol[i];
+            }
+            // One blank left: a naked single.
+            let mut one = sol.to_vec();
+            one[40] = 0;
+            let c = Constraints::of(Shape::NINE, &one);
+            assert_eq!(c.cand[40], 1 << sol[40]);
+            assert_eq!(c.forced[40], 1 << sol[40]);
+        }
+        assert!(n_forced > 100);
+        // A contradictory digit placement removes candidates: a row holding 1..8 leaves only 9.
+        let mut cells = vec![0u8; 81];
+        for (c, d) in (1..=8u8).enumerate() {
+            cells[c] = d;
+        }
+        let c = Constraints::of(Shape::NINE, &cells);
+        assert_eq!(c.cand[8], 1 << 9);
+        let fb = Features::new(Shape::NINE);
+        let lp = vec![(1.0f32 / 9.0).ln(); 81 * 9];
+        let allowed: Vec<bool> = cells.iter().map(|&v| v == 0).collect();
+        let mut f = Vec::new();
+        fb.push_board(&lp, &cells, &allowed, &mut f);
+        let row = &f[8 * fb.dim()..9 * fb.dim()];
+        assert!(
+            (row[F_CONSTRAINTS] - 1.0 / 9.0).abs() < 1e-6,
+            "one candidate"
+        );
+        assert_eq!(row[F_CONSTRAINTS + 1], 1.0, "naked single");
+        assert_eq!(row[F_CONSTRAINTS + 3], 1.0, "forced");
+        assert!(
+            (row[F_CONSTRAINTS + 5] - 1.0 / 9.0).abs() < 1e-5,
+            "legal mass"
+        );
+        // Without constraint features the columns are zeros.
+        let mut g = Vec::new();
+        Features::with_constraints(Shape::NINE, false).push_board(&lp, &cells, &allowed, &mut g);
+        assert!(
+            g[8 * fb.dim() + F_CONSTRAINTS..8 * fb.dim() + F_CONSTRAINTS + 6]
+                .iter()
+                .all(|x| *x == 0.0)
+        );
+    }
+
     #[test]
     fn initialises_on_an_autodiff_device() {
         let device = Device::flex().autodiff();
@@ -294,7 +512,7 @@ mod tests {
             prop_assume!(masked_bits.iter().any(|m| *m));
             let device = Device::flex();
             device.seed(seed);
-            let cfg = PolicyConfig { hidden: 16, init_confidence_weight: scale, temperature: 1.0 };
+            let cfg = PolicyConfig { hidden: 16, init_confidence_weight: scale, ..Default::default() };
             let pol = OrderPolicy::init(&cfg, Shape::NINE, &device);
             let fb = Features::new(Shape::NINE);
             // Random-ish digit distributions.
@@ -303,7 +521,12 @@ mod tests {
                 .collect();
             let allowed = allowed_cells(&masked_bits, block);
             let mut feats = Vec::new();
-            fb.push_board(&lp, &masked_bits, &allowed, &mut feats);
+            let cells: Vec<u8> = masked_bits
+                .iter()
+                .enumerate()
+                .map(|(i, m)| if *m { 0 } else { (i % 9 + 1) as u8 })
+                .collect();
+            fb.push_board(&lp, &cells, &allowed, &mut feats);
             let f = Tensor::<3>::from_data(TensorData::new(feats, [1, 81, fb.dim()]), &device);
             let a = Tensor::<2, Bool>::from_data(TensorData::new(allowed.clone(), [1, 81]), &device);
             let logp: Vec<f32> = pol.log_probs(f, a, 1.0).into_data().convert::<f32>().try_into_vec().unwrap();

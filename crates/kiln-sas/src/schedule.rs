@@ -226,7 +226,7 @@ fn decode_chunk(
     let shape: Shape = first.puzzle.shape();
     let n = shape.n_cells();
     let side = shape.side();
-    let feats = Features::new(shape);
+    let feats = policy.map_or_else(|| Features::new(shape), |p| p.features(shape));
     let mut boards: Vec<Board> = puzzles
         .iter()
         .map(|p| {
@@ -269,7 +269,7 @@ fn decode_chunk(
                 for (j, &k) in active.iter().enumerate() {
                     feats.push_board(
                         &lp[j * n * side..(j + 1) * n * side],
-                        &boards[k].masked,
+                        &boards[k].cells,
                         &allowed[j],
                         &mut f,
                     );

@@ -115,7 +115,7 @@ pub fn teacher_forced_rollout(
     let shape = first.puzzle.shape();
     let n = shape.n_cells();
     let side = shape.side();
-    let feats = Features::new(shape);
+    let feats = policy.features(shape);
     let fd = feats.dim();
     let mut cells: Vec<Vec<u8>> = puzzles.iter().map(|p| p.puzzle.cells().to_vec()).collect();
     let mut masked: Vec<Vec<bool>> = cells
@@ -157,12 +157,7 @@ pub fn teacher_forced_rollout(
         let mut al = Vec::with_capacity(b * n);
         for (j, &k) in active.iter().enumerate() {
             let a = allowed_cells(&masked[k], block_len);
-            feats.push_board(
-                &lp[j * n * side..(j + 1) * n * side],
-                &masked[k],
-                &a,
-                &mut f,
-            );
+            feats.push_board(&lp[j * n * side..(j + 1) * n * side], &cells[k], &a, &mut f);
             al.extend(a);
         }
         let ft = Tensor::<3>::from_data(TensorData::new(f.clone(), [b, n, fd]), &device);
@@ -196,7 +191,7 @@ pub fn teacher_forced_rollout(
 }
 
 /// Sample an allowed index from log-probabilities (inverse CDF over allowed entries).
-fn sample_allowed(logp: &[f32], allowed: &[bool], rng: &mut ChaCha8Rng) -> usize {
+pub(crate) fn sample_allowed(logp: &[f32], allowed: &[bool], rng: &mut ChaCha8Rng) -> usize {
     let total: f64 = logp
         .iter()
         .zip(allowed)

@@ -206,8 +206,8 @@ pub fn train(req: TrainRequest) -> anyhow::Result<PathBuf> {
         "sas_gsm8k" => {
             let l = load_typed::<sas::GsmRecipe>(&req.raw)?;
             l.task.validate(&req.raw)?;
-            let (run_dir, _) = prepare_run_dir(&req, &l.common, &l.resolved)?;
-            sas::run_gsm8k(&l.common, &l.task, &run_dir)?;
+            let (run_dir, resumed) = prepare_run_dir(&req, &l.common, &l.resolved)?;
+            sas::run_gsm8k(&l.common, &l.task, &l.resolved, &run_dir, resumed)?;
             Ok(run_dir)
         }
         "search_r2" => {
@@ -456,7 +456,8 @@ pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
                 }
                 (Some(other), _) => anyhow::bail!(
                     "`kiln eval` of a `sas` run supports --task sudoku (with --data PATH for a puzzle \
-                     file); `{other}` is not available for it yet"
+                     file); for --task gsm8k evaluate a `sas_gsm8k` run (recipes/sas_gsm8k_llada.yaml); \
+                     `{other}` is not available for it"
                 ),
             }
             Ok(BTreeMap::new())
@@ -481,7 +482,25 @@ pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
             }
             Ok(BTreeMap::new())
         }
-        "mdm_sudoku" | "sas_gsm8k" => anyhow::bail!(
+        "sas_gsm8k" => {
+            let l = load_typed::<sas::GsmRecipe>(&raw)?;
+            l.task.validate(&raw)?;
+            match req.task.as_deref() {
+                None | Some("gsm8k") | Some("sas_gsm8k") => sas::eval_gsm8k(
+                    &l.task,
+                    &l.common,
+                    &ckpt,
+                    &run_dir,
+                    req.data.as_deref().map(Path::new),
+                )?,
+                Some(other) => anyhow::bail!(
+                    "`kiln eval` of a `sas_gsm8k` run supports --task gsm8k (with --data PATH); \
+                     `{other}` is not available for it"
+                ),
+            }
+            Ok(BTreeMap::new())
+        }
+        "mdm_sudoku" => anyhow::bail!(
             "`kiln eval` evaluates `sas` runs (their order policy checkpoints); `mdm_sudoku` \
              saves a denoiser, evaluate it through a `sas` run"
         ),

@@ -31,6 +31,10 @@ use kiln_sas::policy::{OrderPolicy, PolicyConfig};
 use kiln_sas::schedule::{DecodeConfig, Schedule};
 use kiln_sas::sudoku::{LoadOptions, Puzzle, Shape, load_file};
 use kiln_sas::task::{SasConfig, SasTask, Stage2Config, stage2};
+use kiln_sas::text::{
+    PosStats, TextExample, TextOrderPolicy, TextPolicyConfig, TextSasSettings, TextSasTask,
+    left_pad,
+};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
@@ -203,6 +207,9 @@ pub struct EvalSetConfig {
     pub generated: PuzzleSetConfig,
     /// Use at most this many puzzles (0 = all).
     pub limit: usize,
+    /// Schedules decoded on this set (empty = `final_eval.schedules`); lets a large, slow set
+    /// run only the rows that matter (e.g. random, the best heuristic and learned).
+    pub schedules: Vec<Schedule>,
 }
 
 impl Default for EvalSetConfig {
@@ -217,6 +224,7 @@ impl Default for EvalSetConfig {
                 ..Default::default()
             },
             limit: 0,
+            schedules: Vec::new(),
         }
     }
 }
@@ -370,6 +378,11 @@ impl SasRecipe {
         c.require(
             self.policy.init_confidence_weight.is_finite(),
             "policy.init_confidence_weight",
+            "must be finite",
+        )?;
+        c.require(
+            self.policy.init_margin_weight.is_finite(),
+            "policy.init_margin_weight",
             "must be finite",
         )?;
         let s2 = &self.stage2;
@@ -601,11 +614,16 @@ fn final_eval(
             continue;
         }
         let t = std::time::Instant::now();
+        let schedules = if set.schedules.is_empty() {
+            &fe.schedules
+        } else {
+            &set.schedules
+        };
         let mut outcomes = run_schedules(
             denoiser,
             Some(policy),
             &puzzles,
-            &fe.schedules,
+            schedules,
             &fe.decode,
             fe.seed,
         );
@@ -616,7 +634,7 @@ fn final_eval(
                 .stage2_schedules
                 .iter()
                 .copied()
-                .filter(|s| *s != Schedule::Random)
+                .filter(|s| *s != Schedule::Random && schedules.contains(s))
                 .collect();
             for mut o in run_schedules(d2, Some(policy), &puzzles, &s2, &fe.decode, fe.seed) {
                 o.schedule = format!("{}+stage2", o.schedule);
@@ -715,14 +733,51 @@ pub fn eval_sudoku_file(
 // ---------------------------------------------------------------------------------------------
 // sas_gsm8k
 
+/// Training of the text order policy (section `train:` of a `sas_gsm8k` recipe).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(default)]
+pub struct GsmTrainConfig {
+    /// Train the order policy with GRPO and the self-aware reward before evaluating
+    /// (`trainer.steps` steps); false = evaluate the heuristic schedules only.
+    pub enabled: bool,
+    /// GSM8K JSONL whose reference answers are the teacher-forcing targets.
+    pub data: PathBuf,
+    /// Use at most this many training problems (0 = all).
+    pub limit: usize,
+    /// Distinct problems per GRPO step.
+    pub prompts_per_step: usize,
+    /// Orders per problem (GRPO group size); one batched denoiser forward per step.
+    pub group_size: usize,
+    /// Token that pads a reference answer to `decode.gen_length` (LLaDA pads with its EOS).
+    /// None = the model's `eos_token_id`, else `pad_token_id`, else 0.
+    pub answer_pad_token: Option<u32>,
+}
+
+impl Default for GsmTrainConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            data: PathBuf::from("../shared/datasets/gsm8k/train.jsonl"),
+            limit: 0,
+            prompts_per_step: 2,
+            group_size: 4,
+            answer_pad_token: None,
+        }
+    }
+}
+
 /// The task-specific part of a `sas_gsm8k` recipe.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct GsmRecipe {
-    /// The masked-diffusion LM. On CPU: a tiny byte-level preset (vocab 256, mask 255) as a
-    /// smoke test of the pipeline; its pass@1 is 0 by construction.
+    /// The masked-diffusion LM to load: an HF folder (config.json + safetensors +
+    /// tokenizer.json, e.g. a local copy of LLaDA-8B-Instruct), a `.gguf` file or a name in
+    /// `.kiln/models.json`. Empty = the tiny randomly initialised byte-level preset `model`
+    /// (a CPU smoke test of the pipeline; its pass@1 is ~0 by construction).
+    pub model_path: String,
+    /// The tiny preset (used when `model_path` is empty): vocab 256 bytes, mask id 255.
     pub model: TransformerConfig,
-    /// GSM8K JSONL (`question`, `answer` ending in `#### N`).
+    /// GSM8K JSONL evaluated (`question`, `answer` ending in `#### N`).
     pub data: PathBuf,
     /// Problems evaluated (0 = all).
     pub limit: usize,
@@ -730,15 +785,24 @@ pub struct GsmRecipe {
     pub prompt: String,
     /// Longest prompt in tokens (longer prompts keep their last tokens).
     pub max_prompt_tokens: usize,
-    /// LLaDA-style decoding protocol (logged with the result).
+    /// LLaDA-style decoding protocol (logged with the result); its `gen_length` and
+    /// `block_length` also shape the training rollouts.
     pub decode: LladaDecodeConfig,
+    /// Schedules evaluated, one pass@1 row each (`learned` needs a trained policy); empty =
+    /// `decode.schedule` only.
+    pub eval_schedules: Vec<Schedule>,
     /// Problems decoded together.
     pub batch_size: usize,
+    /// The text order policy (one transformer layer over per-position features).
+    pub policy: TextPolicyConfig,
+    /// GRPO training of the policy (self-aware reward, denoiser frozen).
+    pub train: GsmTrainConfig,
 }
 
 impl Default for GsmRecipe {
     fn default() -> Self {
         Self {
+            model_path: String::new(),
             model: TransformerConfig {
                 model_type: "llada".into(),
                 vocab_size: 256,
@@ -762,7 +826,10 @@ impl Default for GsmRecipe {
                 block_length: 16,
                 schedule: Schedule::Confidence,
             },
+            eval_schedules: Vec::new(),
             batch_size: 8,
+            policy: TextPolicyConfig::default(),
+            train: GsmTrainConfig::default(),
         }
     }
 }
@@ -771,25 +838,28 @@ impl GsmRecipe {
     /// Range checks.
     pub fn validate(&self, raw: &RawRecipe) -> Result<(), RecipeError> {
         let c = Checker::new(raw);
-        self.model
-            .validate()
-            .map_err(|e| invalid(raw, "model", e.to_string()))?;
-        c.require(
-            !self.model.causal,
-            "model.causal",
-            "a masked diffusion LM is bidirectional: set causal: false",
-        )?;
-        c.require(
-            self.model.mask_token_id.is_some(),
-            "model.mask_token_id",
-            "a masked diffusion LM needs a mask token id",
-        )?;
-        c.require(
-            self.model.vocab_size >= 256,
-            "model.vocab_size",
-            "the byte-level tokenizer needs >= 256",
-        )?;
+        if self.model_path.is_empty() {
+            self.model
+                .validate()
+                .map_err(|e| invalid(raw, "model", e.to_string()))?;
+            c.require(
+                !self.model.causal,
+                "model.causal",
+                "a masked diffusion LM is bidirectional: set causal: false",
+            )?;
+            c.require(
+                self.model.mask_token_id.is_some(),
+                "model.mask_token_id",
+                "a masked diffusion LM needs a mask token id",
+            )?;
+            c.require(
+                self.model.vocab_size >= 256,
+                "model.vocab_size",
+                "the byte-level tokenizer needs >= 256",
+            )?;
+        }
         check_pair(raw, self.decode.check())?;
+        check_pair(raw, self.policy.check())?;
         c.require(self.batch_size >= 1, "batch_size", "must be >= 1")?;
         c.require(
             self.max_prompt_tokens >= 1,
@@ -800,7 +870,183 @@ impl GsmRecipe {
             self.prompt.contains("{question}"),
             "prompt",
             "must contain `{question}`",
+        )?;
+        c.require(
+            !self.eval_schedules.contains(&Schedule::Expert),
+            "eval_schedules",
+            "expert is Sudoku-only",
+        )?;
+        if self.train.enabled {
+            c.require(
+                self.train.prompts_per_step >= 1,
+                "train.prompts_per_step",
+                "must be >= 1",
+            )?;
+            c.require(
+                self.train.group_size >= 2,
+                "train.group_size",
+                "must be >= 2 (a group baseline needs two orders)",
+            )?;
+        }
+        Ok(())
+    }
+
+    fn schedules(&self) -> Vec<Schedule> {
+        if self.eval_schedules.is_empty() {
+            vec![self.decode.schedule]
+        } else {
+            self.eval_schedules.clone()
+        }
+    }
+}
+
+/// The masked-diffusion LM of a `sas_gsm8k` run and how text becomes tokens.
+struct TextLm {
+    model: kiln_lm::Transformer,
+    tokenizer: Option<kiln_lm::Tokenizer>,
+    mask: u32,
+    /// Token that left-pads prompts and pads answers.
+    pad: u32,
+}
+
+impl TextLm {
+    fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        match &self.tokenizer {
+            Some(t) => Ok(t.encode(text, false)?),
+            None => Ok(byte_tokens(text, self.mask)),
+        }
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        match &self.tokenizer {
+            Some(t) => t.decode(ids, true).unwrap_or_default(),
+            None => ids.iter().map(|&b| (b.min(255) as u8) as char).collect(),
+        }
+    }
+
+    fn vocab(&self) -> usize {
+        self.model.config().vocab_size
+    }
+}
+
+/// Where the tiny preset's weights are kept inside a run (so `kiln eval` reloads the same ones).
+const TINY_LM_FILE: &str = "denoiser-lm.bpk";
+
+/// Load the LM of `r`: the HF folder / GGUF of `model_path`, or the tiny preset (initialised
+/// from the run's seed and saved to `run_dir`, or reloaded from there when it exists).
+fn load_text_lm(
+    r: &GsmRecipe,
+    device: &Device,
+    run_dir: &Path,
+    seed: u64,
+) -> anyhow::Result<TextLm> {
+    let (model, tokenizer) = if r.model_path.is_empty() {
+        let path = run_dir.join(TINY_LM_FILE);
+        let m = if path.is_file() {
+            r.model.init(device).try_load_file(&path).map_err(|e| {
+                anyhow::anyhow!("{}: cannot load the tiny denoiser: {e}", path.display())
+            })?
+        } else {
+            device.seed(seed);
+            let m = r.model.init(device);
+            std::fs::create_dir_all(run_dir)?;
+            m.clone()
+                .save_file(&path)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            m
+        };
+        (m, None)
+    } else {
+        let (m, t) = kiln_lm::zoo::load_with_tokenizer(&r.model_path, device)
+            .with_context(|| format!("loading the masked-diffusion LM `{}`", r.model_path))?;
+        (m, Some(t))
+    };
+    let cfg = model.config();
+    let mask = cfg.mask_token_id.ok_or_else(|| {
+        anyhow::anyhow!(
+            "`{}` has no mask_token_id: SAS needs a masked-diffusion LM (LLaDA)",
+            if r.model_path.is_empty() {
+                "model"
+            } else {
+                &r.model_path
+            }
         )
+    })?;
+    anyhow::ensure!(
+        !cfg.causal,
+        "`{}` is a causal LM; SAS needs a bidirectional masked-diffusion LM",
+        r.model_path
+    );
+    let pad = r
+        .train
+        .answer_pad_token
+        .or_else(|| {
+            cfg.eos_token_id
+                .as_ref()
+                .and_then(|e| e.to_vec().first().copied())
+        })
+        .or(cfg.pad_token_id)
+        .unwrap_or(0);
+    Ok(TextLm {
+        model,
+        tokenizer,
+        mask,
+        pad,
+    })
+}
+
+/// The [`StatsForward`] of a kiln-lm transformer: everything is reduced on the device (top-2
+/// probabilities, entropy, argmax, target log-prob), so only 5 numbers per position reach the
+/// host whatever the vocabulary; the mask token is never a prediction.
+fn stats_forward(
+    model: &kiln_lm::Transformer,
+    mask: u32,
+) -> impl FnMut(&[u32], usize, usize, Option<&[u32]>) -> Vec<PosStats> + '_ {
+    let device = model.device();
+    let v = model.config().vocab_size;
+    let mut bias = vec![0f32; v];
+    if (mask as usize) < v {
+        bias[mask as usize] = -1.0e9;
+    }
+    let bias = Tensor::<1>::from_data(TensorData::new(bias, [v]), &device);
+    move |toks: &[u32], b: usize, len: usize, targets: Option<&[u32]>| {
+        let host = |t: &[u32]| -> Vec<i64> { t.iter().map(|&x| x as i64).collect() };
+        let tt = Tensor::<2, Int>::from_data(TensorData::new(host(toks), [b, len]), &device);
+        let logits = model.forward(tt) + bias.clone().reshape([1, 1, v]);
+        let lp = log_softmax(logits, 2);
+        let top2 = lp.clone().topk(2, 2);
+        let arg = lp.clone().argmax(2);
+        let ent = (lp.clone().exp() * lp.clone()).sum_dim(2).neg();
+        let tgt = targets.map(|t| {
+            let ti = Tensor::<3, Int>::from_data(TensorData::new(host(t), [b, len, 1]), &device);
+            lp.clone().gather(2, ti)
+        });
+        let f = |t: Tensor<3>| -> Vec<f32> {
+            t.into_data()
+                .convert::<f32>()
+                .try_into_vec()
+                .unwrap_or_default()
+        };
+        let top2 = f(top2);
+        let ent = f(ent);
+        let arg: Vec<i64> = arg
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec()
+            .unwrap_or_default();
+        let tgt = tgt.map(f);
+        (0..b * len)
+            .map(|i| {
+                let (a, c) = (top2[2 * i].exp(), top2[2 * i + 1].exp());
+                PosStats {
+                    top1: a,
+                    margin: a - c,
+                    entropy: ent[i],
+                    argmax: arg[i] as u32,
+                    target_lp: tgt.as_ref().map_or(0.0, |t| t[i]),
+                }
+            })
+            .collect()
     }
 }
 
@@ -812,82 +1058,215 @@ fn byte_tokens(text: &str, mask: u32) -> Vec<u32> {
         .collect()
 }
 
-/// GSM8K pass@1 with LLaDA-style decoding; writes `run_dir/eval/gsm8k.json` (protocol included).
-pub fn run_gsm8k(common: &CommonConfig, r: &GsmRecipe, run_dir: &Path) -> anyhow::Result<()> {
+fn prompt_tokens(r: &GsmRecipe, lm: &TextLm, question: &str) -> anyhow::Result<Vec<u32>> {
+    let mut toks = lm.encode(&r.prompt.replace("{question}", question))?;
+    if toks.len() > r.max_prompt_tokens {
+        toks.drain(..toks.len() - r.max_prompt_tokens);
+    }
+    Ok(toks)
+}
+
+/// `sas_gsm8k`: train the text order policy (when `train.enabled`), then GSM8K pass@1 of every
+/// schedule of `eval_schedules`; writes `run_dir/eval/gsm8k.json` (protocol included).
+pub fn run_gsm8k(
+    common: &CommonConfig,
+    r: &GsmRecipe,
+    resolved: &serde_json::Value,
+    run_dir: &Path,
+    resume: bool,
+) -> anyhow::Result<()> {
     let device = run::device_for(common.backend)?;
-    device.seed(common.seed);
-    let model = r.model.init(&device);
-    let mask = r.model.mask_token_id.unwrap_or(0);
-    let mut problems = load_gsm8k(&r.data)?;
+    let lm = load_text_lm(r, &device, run_dir, common.seed)?;
+    let policy = if r.train.enabled && common.trainer.steps > 0 {
+        let mut problems = load_gsm8k(&r.train.data)?;
+        if r.train.limit > 0 {
+            problems.truncate(r.train.limit);
+        }
+        let mut examples = Vec::with_capacity(problems.len());
+        for p in &problems {
+            let mut target = lm.encode(&p.answer)?;
+            target.truncate(r.decode.gen_length);
+            target.resize(r.decode.gen_length, lm.pad);
+            examples.push(TextExample {
+                prompt: prompt_tokens(r, &lm, &p.question)?,
+                target,
+            });
+        }
+        tracing::info!(
+            "sas_gsm8k: training the text order policy on {} problems ({} x {} orders per step, gen_length {}, block_length {})",
+            examples.len(),
+            r.train.prompts_per_step,
+            r.train.group_size,
+            r.decode.gen_length,
+            r.decode.block_length
+        );
+        let settings = TextSasSettings {
+            prompts_per_step: r.train.prompts_per_step,
+            group_size: r.train.group_size,
+            block_length: r.decode.block_length,
+            mask_id: lm.mask,
+            pad_id: lm.pad,
+            vocab: lm.vocab(),
+            temperature: r.policy.temperature,
+            seed: common.seed,
+        };
+        let task = TextSasTask::new(
+            Box::new(stats_forward(&lm.model, lm.mask)),
+            examples,
+            settings,
+        );
+        let ad = device.clone().autodiff();
+        ad.seed(common.seed);
+        let policy = r.policy.init(&ad);
+        super::drive(task, policy, ad, common, resolved, run_dir, resume)?;
+        Some(load_text_policy(r, run_dir, &device)?)
+    } else {
+        None
+    };
+    gsm8k_eval(r, common, &lm, policy.as_ref(), &r.data, run_dir)
+}
+
+fn load_text_policy(
+    r: &GsmRecipe,
+    ckpt: &Path,
+    device: &Device,
+) -> anyhow::Result<TextOrderPolicy> {
+    let ckpt = resolve_checkpoint(ckpt)?;
+    let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
+    r.policy
+        .init(device)
+        .try_load_file(&mp)
+        .map_err(|e| anyhow::anyhow!("{}: cannot load the text order policy: {e}", mp.display()))
+}
+
+/// GSM8K pass@1 per schedule on `data`; prints the table and writes `run_dir/eval/gsm8k.json`.
+fn gsm8k_eval(
+    r: &GsmRecipe,
+    common: &CommonConfig,
+    lm: &TextLm,
+    policy: Option<&TextOrderPolicy>,
+    data: &Path,
+    run_dir: &Path,
+) -> anyhow::Result<()> {
+    let mut problems = load_gsm8k(data)?;
     if r.limit > 0 {
         problems.truncate(r.limit);
     }
-    let mut rng = ChaCha8Rng::seed_from_u64(common.seed);
-    let vocab = r.model.vocab_size;
-    let mut forward = |toks: &[u32], b: usize, len: usize| -> Vec<f32> {
-        let data: Vec<i64> = toks.iter().map(|&t| t as i64).collect();
-        let t = Tensor::<2, Int>::from_data(TensorData::new(data, [b, len]), &device);
-        log_softmax(model.forward(t), 2)
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec()
-            .unwrap_or_default()
-    };
-    let mut rows = Vec::new();
-    let mut correct = 0usize;
-    let t = std::time::Instant::now();
-    for chunk in problems.chunks(r.batch_size) {
-        // Left-pad prompts with spaces to equal length (the denoiser is bidirectional; the
-        // smoke preset has no pad token).
-        let mut prompts: Vec<Vec<u32>> = chunk
-            .iter()
-            .map(|p| {
-                let mut toks = byte_tokens(&r.prompt.replace("{question}", &p.question), mask);
-                if toks.len() > r.max_prompt_tokens {
-                    toks.drain(..toks.len() - r.max_prompt_tokens);
-                }
-                toks
-            })
-            .collect();
-        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        for p in prompts.iter_mut() {
-            let mut padded = vec![32u32; width - p.len()];
-            padded.extend_from_slice(p);
-            *p = padded;
-        }
-        let outs = llada_generate(&mut forward, vocab, &prompts, &r.decode, mask, &mut rng);
-        for (p, o) in chunk.iter().zip(outs) {
-            let text: String = o.iter().map(|&b| (b.min(255) as u8) as char).collect();
-            let pred = extract_answer(&text);
-            let ok = answers_match(pred, p.gold);
-            correct += ok as usize;
-            rows.push(
-                serde_json::json!({"gold": p.gold, "pred": pred, "correct": ok, "output": text}),
-            );
-        }
-    }
-    let n = problems.len().max(1);
-    let pass1 = correct as f64 / n as f64;
-    let out_dir = run_dir.join("eval");
-    std::fs::create_dir_all(&out_dir)?;
-    let path = out_dir.join("gsm8k.json");
-    let json = serde_json::json!({
-        "pass@1": pass1,
-        "problems": problems.len(),
-        "protocol": {"decode": r.decode, "prompt": r.prompt, "max_prompt_tokens": r.max_prompt_tokens, "model": r.model},
-        "rows": rows,
-    });
-    std::fs::write(&path, serde_json::to_vec_pretty(&json)?)?;
+    let vocab = lm.vocab();
+    let mut forward = stats_forward(&lm.model, lm.mask);
+    let mut results = Vec::new();
     println!(
-        "GSM8K pass@1 = {:.1}% ({correct}/{}) with gen_length {}, steps {}, block_length {}, schedule {} in {:.1}s\nreport: {}",
-        100.0 * pass1,
+        "GSM8K {} ({} problems), LLaDA-style decoding: gen_length {}, steps {}, block_length {}, greedy tokens, model {}",
+        data.display(),
         problems.len(),
         r.decode.gen_length,
         r.decode.steps,
         r.decode.block_length,
-        r.decode.schedule,
-        t.elapsed().as_secs_f64(),
-        path.display()
+        if r.model_path.is_empty() {
+            "tiny random-init preset (smoke test)"
+        } else {
+            &r.model_path
+        }
     );
+    println!("| schedule | pass@1 | correct | seconds |\n|---|---|---|---|");
+    for schedule in r.schedules() {
+        if schedule == Schedule::Learned && policy.is_none() {
+            tracing::warn!("schedule `learned` skipped: no trained text order policy");
+            continue;
+        }
+        let dc = LladaDecodeConfig {
+            schedule,
+            ..r.decode.clone()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(common.seed);
+        let t = std::time::Instant::now();
+        let mut rows = Vec::new();
+        let mut correct = 0usize;
+        for chunk in problems.chunks(r.batch_size) {
+            let prompts: Vec<Vec<u32>> = chunk
+                .iter()
+                .map(|p| prompt_tokens(r, lm, &p.question))
+                .collect::<anyhow::Result<_>>()?;
+            let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+            let prompts = left_pad(&refs, lm.pad);
+            let outs = llada_generate(
+                &mut forward,
+                vocab,
+                &prompts,
+                &dc,
+                lm.mask,
+                policy,
+                &mut rng,
+            );
+            for (p, o) in chunk.iter().zip(outs) {
+                let text = lm.decode(&o);
+                let pred = extract_answer(&text);
+                let ok = answers_match(pred, p.gold);
+                correct += ok as usize;
+                rows.push(serde_json::json!({"gold": p.gold, "pred": pred, "correct": ok, "output": text}));
+            }
+        }
+        let n = problems.len().max(1);
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "| {schedule} | {:.1}% | {correct}/{} | {secs:.1} |",
+            100.0 * correct as f64 / n as f64,
+            problems.len()
+        );
+        results.push(serde_json::json!({
+            "schedule": schedule,
+            "pass@1": correct as f64 / n as f64,
+            "correct": correct,
+            "seconds": secs,
+            "rows": rows,
+        }));
+    }
+    let out_dir = run_dir.join("eval");
+    std::fs::create_dir_all(&out_dir)?;
+    let path = out_dir.join("gsm8k.json");
+    let json = serde_json::json!({
+        "data": data,
+        "problems": problems.len(),
+        "protocol": {
+            "decode": r.decode,
+            "prompt": r.prompt,
+            "max_prompt_tokens": r.max_prompt_tokens,
+            "greedy_tokens": true,
+            "model_path": r.model_path,
+            "model": if r.model_path.is_empty() { serde_json::to_value(&r.model)? } else { serde_json::Value::Null },
+            "policy": if policy.is_some() { serde_json::to_value(&r.policy)? } else { serde_json::Value::Null },
+        },
+        "results": results,
+    });
+    std::fs::write(&path, serde_json::to_vec_pretty(&json)?)?;
+    println!("report: {}", path.display());
     Ok(())
+}
+
+/// `kiln eval CHECKPOINT --task gsm8k [--data PATH]` of a `sas_gsm8k` run: pass@1 of the run's
+/// schedules (with the checkpoint's learned order policy) on `data` (default: the recipe's).
+pub fn eval_gsm8k(
+    r: &GsmRecipe,
+    common: &CommonConfig,
+    ckpt: &Path,
+    run_dir: &Path,
+    data: Option<&Path>,
+) -> anyhow::Result<()> {
+    let device = run::device_for(common.backend)?;
+    let lm = load_text_lm(r, &device, run_dir, common.seed)?;
+    let policy = load_text_policy(r, ckpt, &device)?;
+    let mut r = r.clone();
+    if !r.schedules().contains(&Schedule::Learned) {
+        let mut s = r.schedules();
+        s.push(Schedule::Learned);
+        r.eval_schedules = s;
+    }
+    gsm8k_eval(
+        &r,
+        common,
+        &lm,
+        Some(&policy),
+        data.unwrap_or(&r.data),
+        run_dir,
+    )
 }

@@ -1,0 +1,207 @@
+//! End-to-end tests of the SAS recipes through the `kiln` binary (tiny settings, CPU):
+//! - `recipes/sas_sudoku.yaml`: the whole chain on a fresh project (pre-train the denoiser because
+//!   none exists, train the order policy with GRPO, print the evaluation table), then
+//!   `kiln eval RUN --task sudoku --data FILE`;
+//! - `recipes/sas_gsm8k_llada.yaml`: the CPU smoke test (tiny random LLaDA-style denoiser, text
+//!   order policy trained for 2 GRPO steps, pass@1 per schedule), then
+//!   `kiln eval RUN --task gsm8k --data PATH`.
+
+use std::path::PathBuf;
+
+use kiln_e2e::{only_run_dir, read_metrics, repo_root, run_kiln, scratch_project, text};
+
+fn shared(rel: &str) -> String {
+    let p: PathBuf = repo_root().join("../shared/datasets").join(rel);
+    assert!(p.is_file(), "{} is missing", p.display());
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn sas_sudoku_chain_runs_end_to_end() {
+    let p = scratch_project();
+    let magic = shared("sudoku/magictour_top1465.jsonl");
+    let sets = format!(
+        "final_eval.sets=[{{name: gen, generated: {{side: 9, count: 6, givens: [36], seed: 303}}}}, \
+         {{name: magictour_top1465, path: \"{magic}\", limit: 2, schedules: [margin, learned]}}]"
+    );
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "recipes/sas_sudoku.yaml",
+            "--set",
+            "model.d_model=32",
+            "--set",
+            "model.n_layers=1",
+            "--set",
+            "model.n_heads=2",
+            "--set",
+            "model.d_ff=64",
+            "--set",
+            "pretrain.steps=4",
+            "--set",
+            "pretrain.batch_size=8",
+            "--set",
+            "pretrain.data.count=10",
+            "--set",
+            "sas.train.count=8",
+            "--set",
+            "sas.puzzles_per_step=2",
+            "--set",
+            "sas.group_size=2",
+            "--set",
+            "trainer.steps=2",
+            "--set",
+            &sets,
+            "--set",
+            "final_eval.schedules=[random, expert, confidence, margin, learned]",
+            "--set",
+            "final_eval.image_puzzles=2",
+            "--set",
+            "logging.plots=false",
+        ],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("wall time: pre-training"), "{log}");
+    let run = only_run_dir_with(p.path(), "sas_sudoku");
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 2, "two GRPO steps logged");
+    assert!(
+        rows[0]["reward/mean"].as_f64().unwrap() < 0.0,
+        "log-prob rewards"
+    );
+    assert!(
+        p.path()
+            .join("runs/sas/denoiser-9x9/denoiser.bpk")
+            .is_file()
+    );
+    let md = std::fs::read_to_string(run.join("eval/sudoku.md")).unwrap();
+    for s in ["| random |", "| margin |", "| learned |", "| expert |"] {
+        assert!(md.contains(s), "{s} missing from\n{md}");
+    }
+    assert!(md.contains("magictour_top1465 (2 puzzles"), "{md}");
+    let magic_table = md.split("magictour_top1465").nth(1).unwrap();
+    assert!(
+        !magic_table.contains("| random |"),
+        "per-set schedules:\n{md}"
+    );
+    assert!(md.contains("learned - best heuristic"), "{md}");
+    assert!(run.join("eval/orders-gen.png").is_file());
+    // kiln eval of the run on one puzzle file (three magictour puzzles).
+    let lines: Vec<String> = std::fs::read_to_string(&magic)
+        .unwrap()
+        .lines()
+        .take(3)
+        .map(String::from)
+        .collect();
+    let three = p.path().join("three.jsonl");
+    std::fs::write(&three, lines.join("\n") + "\n").unwrap();
+    let three = three.to_string_lossy().into_owned();
+    let runs = run.to_string_lossy().into_owned();
+    let out = run_kiln(
+        p.path(),
+        &[
+            "eval",
+            &runs,
+            "--task",
+            "sudoku",
+            "--data",
+            &three,
+            "--set",
+            "final_eval.image_puzzles=0",
+            "--set",
+            "final_eval.schedules=[margin, learned]",
+        ],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("three (3 puzzles"), "{log}");
+    assert!(
+        log.contains("| learned |") && !log.contains("| random |"),
+        "{log}"
+    );
+    let out = run_kiln(p.path(), &["eval", &runs, "--task", "gsm8k"]);
+    assert!(!out.status.success());
+    assert!(text(&out).contains("sas_gsm8k"), "{}", text(&out));
+}
+
+fn only_run_dir_with(project: &std::path::Path, prefix: &str) -> PathBuf {
+    let dirs: Vec<PathBuf> = std::fs::read_dir(project.join("runs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+        })
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs[0].clone()
+}
+
+#[test]
+fn sas_gsm8k_smoke_trains_the_text_policy_and_evaluates() {
+    let p = scratch_project();
+    let test = shared("gsm8k/test.jsonl");
+    let train = shared("gsm8k/train.jsonl");
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "recipes/sas_gsm8k_llada.yaml",
+            "--set",
+            &format!("data={test}"),
+            "--set",
+            &format!("train.data={train}"),
+        ],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    for s in [
+        "gen_length 16, steps 16, block_length 8",
+        "| random |",
+        "| confidence |",
+        "| learned |",
+    ] {
+        assert!(log.contains(s), "`{s}` missing:\n{log}");
+    }
+    let run = only_run_dir(p.path());
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 2, "two GRPO steps");
+    let r = rows[0]["reward/mean"].as_f64().unwrap();
+    // 16 teacher-forced log-probs of a random 256-token model: about 16 * -ln(255).
+    assert!(r < -40.0 && r > -200.0, "reward {r}");
+    assert!(run.join("checkpoints/step-2/model.bpk").is_file());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("eval/gsm8k.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["protocol"]["decode"]["gen_length"], 16);
+    assert_eq!(report["protocol"]["decode"]["block_length"], 8);
+    assert_eq!(report["problems"], 4);
+    let res = report["results"].as_array().unwrap();
+    assert_eq!(res.len(), 4);
+    for r in res {
+        let rows = r["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 4);
+        for row in rows {
+            assert!(row["output"].is_string());
+        }
+    }
+    // kiln eval of the trained policy on a GSM8K file (the first 2 problems).
+    let runs = run.to_string_lossy().into_owned();
+    let out = run_kiln(
+        p.path(),
+        &[
+            "eval", &runs, "--task", "gsm8k", "--data", &test, "--set", "limit=2",
+        ],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("(2 problems)") && log.contains("| learned |"),
+        "{log}"
+    );
+    let out = run_kiln(p.path(), &["eval", &runs, "--task", "sudoku"]);
+    assert!(!out.status.success());
+}
