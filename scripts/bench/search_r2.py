@@ -27,7 +27,8 @@ def summary(rows):
     return {
         "step time (s)": st,
         "rollout tokens/s (generated)": mean(rows, "rollout/generated_tokens_per_s"),
-        "retrieval calls/s (batched)": mean(rows, "rollout/search_calls") / max(mean(rows, "time/rollout_s"), 1e-9),
+        "retrieval queries/s (retriever)": mean(rows, "rollout/queries") / max(ret, 1e-9),
+        "batched retrieval calls / step": mean(rows, "rollout/search_calls"),
         "queries per step": mean(rows, "rollout/queries"),
         "share: generation": gen / st,
         "share: retrieval": ret / st,
