@@ -255,8 +255,10 @@ fn failing_retriever_ends_episodes_but_the_step_goes_on() {
     // A policy that always searches: the warm start teaches that; here a scripted model would do, but the
     // real path is what matters: use the actor with a model and check the backend error is contained.
     let m = model(f.tok.vocab_size(), 3);
-    let mut cfg = SearchTaskConfig::default();
-    cfg.questions_per_step = 1;
+    let mut cfg = SearchTaskConfig {
+        questions_per_step: 1,
+        ..SearchTaskConfig::default()
+    };
     cfg.batch.group_size = 2;
     cfg.sampling.max_new_tokens = 8;
     let mut task = SearchTask::new(
