@@ -187,6 +187,15 @@ fn example_from(
     Ok(SftExample { ids, mask, role })
 }
 
+/// The first gold alias of a question (the demonstrations' answer).
+fn gold_of(q: &SyntheticQuestion) -> String {
+    q.example
+        .golden_answers
+        .first()
+        .cloned()
+        .unwrap_or_default()
+}
+
 fn answer_turn(q: &SyntheticQuestion, answer: &str) -> String {
     format!(
         "{THINK_OPEN}{}{THINK_CLOSE}\n{ANSWER_OPEN} {answer} {ANSWER_CLOSE}",
@@ -255,12 +264,7 @@ pub fn build_examples(
             }
             1 => {
                 // Wrong final answer: the last step is the first bad one.
-                let gold = q
-                    .example
-                    .golden_answers
-                    .first()
-                    .cloned()
-                    .unwrap_or_default();
+                let gold = gold_of(q);
                 let wrong = loop {
                     let w = all_answers.choose(rng).copied().unwrap_or("unknown");
                     if w != gold || all_answers.len() < 2 {
@@ -322,12 +326,7 @@ pub fn build_examples(
     let n_base = (demos.len() as f64 * cfg.baseline_ratio).round() as usize;
     let direct = PromptTemplate::direct();
     for q in questions.iter().take(n_base) {
-        let gold = q
-            .example
-            .golden_answers
-            .first()
-            .cloned()
-            .unwrap_or_default();
+        let gold = gold_of(q);
         let p = encode(tok, &direct.render(&q.example.question))?;
         out.push(example_from(tok, p, &answer_turn(q, &gold), "direct")?);
     }
@@ -337,12 +336,7 @@ pub fn build_examples(
     let rag = PromptTemplate::rag();
     for (q, mut ps) in rag_qs.into_iter().zip(results) {
         ps.truncate(protocol.top_k);
-        let gold = q
-            .example
-            .golden_answers
-            .first()
-            .cloned()
-            .unwrap_or_default();
+        let gold = gold_of(q);
         let p = rag.render_with_context(&q.example.question, &format_documents(&ps));
         out.push(example_from(
             tok,
