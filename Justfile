@@ -58,12 +58,14 @@ lint:
     cargo clippy --release --workspace --all-targets -- -D warnings
 
 # Keep the CUDA path compiling without a GPU or the LLVM download (see STACK.md).
+# `--release` reuses the build scripts and proc-macros `just test` compiled.
 check-cuda:
-    DOCS_RS=1 cargo check -p kiln-cli --features cuda
+    DOCS_RS=1 cargo check --release -p kiln-cli --features cuda
 
-# A few GRPO steps on the wgpu backend (Mesa lavapipe on a CPU-only machine).
+# A few GRPO steps on the wgpu backend (Mesa lavapipe on a CPU-only machine). wgpu is a default
+# feature of kiln-cli, so after `just test` this build is a no-op (same command, same features).
 smoke-wgpu:
-    cargo build --release -p kiln-cli --features wgpu
+    cargo build --release --workspace --all-targets
     d=$(mktemp -d) && cp -r configs recipes "$d" && cd "$d" && \
       {{kiln}} train recipes/grpo_sequence.yaml \
       --set backend=wgpu --set trainer.steps=3 --set trainer.eval_every=0 \

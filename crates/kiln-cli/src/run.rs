@@ -84,7 +84,7 @@ pub fn device_for(backend: Backend) -> anyhow::Result<Device> {
             {
                 bail!(
                     "this kiln binary was built without wgpu support; rebuild with \
-                     `cargo build --release --features wgpu` or set `backend: cpu`"
+                     `cargo build --release -p kiln-cli` (the `wgpu` feature is on by default) or set `backend: cpu`"
                 )
             }
         }

@@ -47,6 +47,11 @@ pub struct TrainerConfig {
     /// Also print a trainer log line every N steps (0 = never; the `kiln` CLI leaves progress lines
     /// to `logging.console`).
     pub log_every: u64,
+    /// Leave groups whose advantages are all zero (every member got the same reward) out of the updates,
+    /// and skip the update entirely when every group is uniform (DAPO's observation: such groups carry no
+    /// policy-gradient signal, yet with Adam and a KL term they still move the weights). Their share is
+    /// logged as `groups/uniform_frac` either way. Off by default (the plain GRPO objective).
+    pub skip_uniform_groups: bool,
 }
 
 impl Default for TrainerConfig {
@@ -61,6 +66,7 @@ impl Default for TrainerConfig {
             eval_every: 0,
             max_nonfinite_updates: 5,
             log_every: 0,
+            skip_uniform_groups: false,
         }
     }
 }
@@ -414,15 +420,18 @@ impl<T: RlTask> Trainer<T> {
         data: &T::Data,
         n: usize,
         t: usize,
+        rows: &[usize],
         chunk: usize,
     ) -> Vec<f32> {
-        let mut out = Vec::with_capacity(n * t);
-        let idx: Vec<usize> = (0..n).collect();
-        for c in idx.chunks(chunk.max(1)) {
+        // Row-major [n, t]; rows not in `rows` stay 0 (they are never gathered).
+        let mut out = vec![0f32; n * t];
+        for c in rows.chunks(chunk.max(1)) {
             let s = self.task.score(policy, data, c);
             let v = to_host(s.logp.detach());
             debug_assert_eq!(v.len(), c.len() * t);
-            out.extend(v);
+            for (k, &i) in c.iter().enumerate() {
+                out[i * t..(i + 1) * t].copy_from_slice(&v[k * t..(k + 1) * t]);
+            }
         }
         out
     }
@@ -472,23 +481,48 @@ impl<T: RlTask> Trainer<T> {
             }
         };
 
-        // 3. Old and reference log-probs, once per rollout batch.
+        // Rows that take part in the updates: all, or only the groups with some non-zero advantage.
+        let g = rollout.group_size.max(1);
+        let uniform: Vec<bool> = (0..n / g)
+            .map(|k| adv[k * g * t..(k + 1) * g * t].iter().all(|a| *a == 0.0))
+            .collect();
+        let n_uniform = uniform.iter().filter(|u| **u).count();
+        m.insert(
+            "groups/uniform_frac".into(),
+            n_uniform as f64 / uniform.len().max(1) as f64,
+        );
+        let mut order: Vec<usize> = if self.opts.trainer.skip_uniform_groups {
+            (0..n).filter(|i| !uniform[i / g]).collect()
+        } else {
+            (0..n).collect()
+        };
+
+        // 3. Old and reference log-probs, once per rollout batch (not needed when nothing is updated).
         let t1 = Instant::now();
-        let old_logp = self.score_all(&snapshot, &rollout.data, n, t, mb);
-        let ref_logp = match &self.reference {
-            Some(r) => Some(self.score_all(r, &rollout.data, n, t, mb)),
-            None => None,
+        let (old_logp, ref_logp) = if order.is_empty() {
+            (Vec::new(), None)
+        } else {
+            let old = self.score_all(&snapshot, &rollout.data, n, t, &order, mb);
+            let r = self
+                .reference
+                .as_ref()
+                .map(|r| self.score_all(r, &rollout.data, n, t, &order, mb));
+            (old, r)
         };
         drop(snapshot);
         let t_score = t1.elapsed().as_secs_f64();
 
         // 4. PPO epochs x minibatches.
         let t2 = Instant::now();
-        let mut order: Vec<usize> = (0..n).collect();
         let mut stats_acc: Vec<LossStats> = Vec::new();
         let mut grad_norms = Vec::new();
         let mut skipped = 0u32;
-        for _epoch in 0..self.opts.trainer.ppo_epochs.max(1) {
+        let epochs = if order.is_empty() {
+            0
+        } else {
+            self.opts.trainer.ppo_epochs.max(1)
+        };
+        for _epoch in 0..epochs {
             if self.opts.trainer.shuffle {
                 order.shuffle(&mut self.rng);
             }

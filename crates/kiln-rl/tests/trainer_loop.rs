@@ -34,6 +34,8 @@ struct Bandit {
     groups: usize,
     g: usize,
     nan_rewards: bool,
+    /// Every trajectory gets reward 1 (all groups uniform).
+    constant: bool,
 }
 
 struct Data {
@@ -83,7 +85,13 @@ impl RlTask for Bandit {
                     }
                 }
                 ctx.push(c);
-                rewards.push(if self.nan_rewards { f64::NAN } else { r });
+                rewards.push(if self.nan_rewards {
+                    f64::NAN
+                } else if self.constant {
+                    1.0
+                } else {
+                    r
+                });
             }
         }
         let n = rewards.len();
@@ -154,18 +162,60 @@ fn opts(dir: &std::path::Path, steps: u64) -> TrainerOptions {
 }
 
 fn trainer(dir: &std::path::Path, steps: u64, nan: bool) -> Trainer<Bandit> {
+    trainer_with(dir, steps, nan, false, false)
+}
+
+fn trainer_with(
+    dir: &std::path::Path,
+    steps: u64,
+    nan: bool,
+    constant: bool,
+    skip_uniform: bool,
+) -> Trainer<Bandit> {
     let device = Device::flex().autodiff();
+    let mut o = opts(dir, steps);
+    o.trainer.skip_uniform_groups = skip_uniform;
     Trainer::new(
         Bandit {
             groups: 8,
             g: 4,
             nan_rewards: nan,
+            constant,
         },
         Table::new(&device),
         device,
-        opts(dir, steps),
+        o,
         Box::new(NullSink),
     )
+}
+
+fn logits(t: &Trainer<Bandit>) -> Vec<f32> {
+    t.model().logits.val().into_data().try_into_vec().unwrap()
+}
+
+#[test]
+fn uniform_groups_are_left_out_of_updates() {
+    // All rewards equal: nothing to learn; with the switch on, no update at all and the weights stay.
+    let d = tempfile::tempdir().unwrap();
+    let mut t = trainer_with(d.path(), 5, false, true, true);
+    let before = logits(&t);
+    for _ in 0..3 {
+        let m = t.train_step().unwrap();
+        assert_eq!(m["groups/uniform_frac"], 1.0);
+        assert_eq!(m["updates"], 0.0);
+    }
+    assert_eq!(logits(&t), before);
+    // A learnable bandit with the switch on: the groups with signal are kept, so it still learns; the
+    // uniform ones are counted.
+    let d = tempfile::tempdir().unwrap();
+    let mut t = trainer_with(d.path(), 30, false, false, true);
+    let s = t.run().unwrap();
+    assert!(s.eval["eval/p_best"] > 0.8, "{:?}", s.eval);
+    assert!(s.last["groups/uniform_frac"] > 0.0, "{:?}", s.last);
+    // Off (the default): uniform groups still take part (the update count never drops).
+    let d = tempfile::tempdir().unwrap();
+    let mut t = trainer_with(d.path(), 5, false, true, false);
+    assert_eq!(t.train_step().unwrap()["updates"], 4.0); // 2 epochs x 32/16 minibatches
 }
 
 #[test]

@@ -3,8 +3,12 @@
 //!
 //! Every entity belongs to exactly one split (train / dev / test), and a question only mentions and needs
 //! entities of its split, so held-out questions are about entities never seen in training: the policy has to
-//! search. Names are built from a small syllable inventory (a small vocabulary for small tokenizers), facts are
-//! templated:
+//! search. Entity names are new *combinations* of a shared word inventory: a pool of made-up root words (two
+//! syllables each) drawn once per world, and small fixed lists of first names and kind words. A person is
+//! `"{first} {root}"`, a city `"{root} {Harbor|Falls|...}"`, a country `"{root} {Republic|Kingdom|...}"`, a company
+//! `"{root} {Works|Labs|...}"`; every full name is unique across the whole world. So a held-out entity is unseen
+//! while its words are not (as in real text, where new names are made of known subwords): a small model can copy
+//! a name it reads in a passage instead of having to know it. Facts are templated:
 //! - person: `"{P} is a {occupation}. {P} was born in {city} in {year}."`
 //! - city: `"{C} is a city located in {country}."`
 //! - country: `"{K} is a country. Its capital is {city}."`
@@ -36,7 +40,7 @@ use crate::protocol::{Episode, Passage, PromptTemplate, ProtocolConfig};
 use crate::rollout::{OnSearchError, ScriptedPolicy, SearchBackend, run_episodes};
 
 /// Bumped whenever the output for given parameters changes, so stale caches are never read.
-pub const GENERATOR_VERSION: u32 = 1;
+pub const GENERATOR_VERSION: u32 = 2;
 
 /// Entity and question counts of one split.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -275,7 +279,14 @@ const OCCUPATIONS: &[&str] = &[
     "astronomer",
     "composer",
 ];
-const COUNTRY_SUFFIX: &[&str] = &["ia", "land", "mark", "stan"];
+/// Kind words of country names.
+const COUNTRY_KINDS: &[&str] = &["Republic", "Kingdom", "Union", "Federation"];
+/// Kind words of city names.
+const CITY_KINDS: &[&str] = &[
+    "Harbor", "Falls", "Ridge", "Vale", "Ford", "Haven", "Crest", "Hill",
+];
+/// Size of the per-world pool of root words (two syllables each; 900 are possible).
+const ROOTS: usize = 120;
 
 /// `a` or `an` before a word.
 fn article(word: &str) -> &'static str {
@@ -286,31 +297,65 @@ fn article(word: &str) -> &'static str {
     }
 }
 
+/// Draws unique entity names as combinations of a shared word inventory.
 struct Namer {
+    roots: Vec<String>,
     used: HashSet<String>,
 }
 
 impl Namer {
-    fn word(&mut self, rng: &mut ChaCha8Rng, min: usize, max: usize, suffix: &str) -> String {
-        for _ in 0..10_000 {
-            let n = rng.random_range(min..=max);
-            let mut w: String = (0..n)
+    /// A pool of `ROOTS` distinct capitalised two-syllable words.
+    fn new(rng: &mut ChaCha8Rng) -> Namer {
+        let mut seen = HashSet::new();
+        let mut roots = Vec::with_capacity(ROOTS);
+        while roots.len() < ROOTS {
+            let w: String = (0..2)
                 .map(|_| *SYLLABLES.choose(rng).unwrap_or(&"ka"))
                 .collect();
-            w.push_str(suffix);
             let mut c = w.chars();
             let w = match c.next() {
                 Some(f) => f.to_uppercase().chain(c).collect::<String>(),
                 None => continue,
             };
+            if seen.insert(w.clone()) {
+                roots.push(w);
+            }
+        }
+        Namer {
+            roots,
+            used: HashSet::new(),
+        }
+    }
+
+    fn root(&self, rng: &mut ChaCha8Rng) -> String {
+        self.roots.choose(rng).cloned().unwrap_or_else(|| "Kalo".into())
+    }
+
+    /// A name unused so far in the world: `"{first} {root}"` with `first` from `firsts`, or
+    /// `"{root} {kind}"` with `kind` from `kinds`.
+    fn name(&mut self, rng: &mut ChaCha8Rng, firsts: &[&str], kinds: &[&str]) -> String {
+        for _ in 0..10_000 {
+            let w = if firsts.is_empty() {
+                format!("{} {}", self.root(rng), kinds.choose(rng).unwrap_or(&"Hill"))
+            } else {
+                format!("{} {}", firsts.choose(rng).unwrap_or(&"Mira"), self.root(rng))
+            };
             if self.used.insert(w.to_lowercase()) {
                 return w;
             }
         }
-        // The inventory allows ~27,000 three-syllable words; only absurd sizes get here.
-        let w = format!("Name{}", self.used.len());
-        self.used.insert(w.to_lowercase());
-        w
+        // The inventory allows ~1,000-2,000 names per kind; only absurd sizes get here: a third root word.
+        loop {
+            let w = format!(
+                "{} {} {}",
+                self.root(rng),
+                self.root(rng),
+                kinds.first().or(firsts.first()).unwrap_or(&"Hill")
+            );
+            if self.used.insert(w.to_lowercase()) {
+                return w;
+            }
+        }
     }
 }
 
@@ -386,23 +431,23 @@ fn build_split(
     let tag = split.name();
     let countries: Vec<(String, String)> = (0..c.countries)
         .map(|i| {
-            let suf = *COUNTRY_SUFFIX.choose(rng).unwrap_or(&"ia");
-            (namer.word(rng, 2, 2, suf), format!("syn-{tag}-country-{i}"))
+            (
+                namer.name(rng, &[], COUNTRY_KINDS),
+                format!("syn-{tag}-country-{i}"),
+            )
         })
         .collect();
     let cities: Vec<City> = (0..c.cities)
         .map(|i| City {
-            name: namer.word(rng, 2, 3, ""),
+            name: namer.name(rng, &[], CITY_KINDS),
             doc: format!("syn-{tag}-city-{i}"),
             country: if c.countries == 0 { 0 } else { i % c.countries },
         })
         .collect();
     let persons: Vec<Person> = (0..c.persons)
         .map(|i| {
-            let first = *FIRST_NAMES.choose(rng).unwrap_or(&"Talor");
-            let last = namer.word(rng, 2, 3, "");
             Person {
-                name: format!("{first} {last}"),
+                name: namer.name(rng, FIRST_NAMES, &[]),
                 doc: format!("syn-{tag}-person-{i}"),
                 city: rng.random_range(0..c.cities.max(1)),
                 year: rng.random_range(1700..2000),
@@ -411,12 +456,13 @@ fn build_split(
         .collect();
     let companies: Vec<Company> = (0..c.companies)
         .map(|i| {
+            // The kind word fixes the industry: draw the kind first, then a unique name of that kind.
             let (suf, industry) = *COMPANY_KINDS.choose(rng).unwrap_or(&("Works", "steel"));
-            let base = namer.word(rng, 2, 3, "");
+            let name = namer.name(rng, &[], &[suf]);
             let founder = rng.random_range(0..c.persons.max(1));
             let born = persons.get(founder).map_or(1800, |p| p.year);
             Company {
-                name: format!("{base} {suf}"),
+                name,
                 industry,
                 doc: format!("syn-{tag}-company-{i}"),
                 founder,
@@ -683,9 +729,7 @@ fn split_questions(
 pub fn generate(config: &WorldConfig) -> Result<World, Error> {
     config.validate()?;
     let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
-    let mut namer = Namer {
-        used: HashSet::new(),
-    };
+    let mut namer = Namer::new(&mut rng);
     let mut corpus = Vec::new();
     let mut out: BTreeMap<Split, Vec<SyntheticQuestion>> = BTreeMap::new();
     for split in Split::ALL {

@@ -101,8 +101,8 @@ pub struct WarmStartReport {
 /// Special (added) tokens of the warm-start tokenizer: the protocol tags as single tokens, and an EOS.
 pub const EOS: &str = "<|endoftext|>";
 
-/// Trains a byte-level BPE tokenizer of `vocab_size` on the world's documents, questions, the prompt templates
-/// and the demonstration turns, and writes `tokenizer.json` (+ `tokenizer_config.json`) into `dir`.
+/// Trains a byte-level BPE tokenizer of `vocab_size` on the training split's documents, questions and
+/// demonstration turns plus the prompt templates (never on dev/test text), and writes `tokenizer.json` (+ `tokenizer_config.json`) into `dir`.
 pub fn train_tokenizer(world: &World, vocab_size: usize, dir: &Path) -> Result<Tokenizer, Error> {
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -111,10 +111,11 @@ pub fn train_tokenizer(world: &World, vocab_size: usize, dir: &Path) -> Result<T
         |e: Box<dyn std::error::Error + Send + Sync>| Error::Invalid(format!("tokenizer: {e}"));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let mut texts: Vec<String> = Vec::new();
-    for d in &world.corpus {
+    // Training-split text only: held-out entities must not shape the vocabulary.
+    for d in world.corpus.iter().filter(|d| d.id.starts_with("syn-train-")) {
         texts.push(format!("Doc 1(Title: {}) {}", d.title, d.text));
     }
-    for q in world.train.iter().chain(&world.dev).chain(&world.test) {
+    for q in &world.train {
         texts.push(q.example.question.clone());
         texts.extend(demonstration_turns(q));
     }
@@ -375,6 +376,27 @@ pub fn sft_loss(model: &Transformer, batch: &[&SftExample]) -> Tensor<1> {
     (lp * m).sum().neg().div_scalar(total)
 }
 
+/// One epoch of batches of `batch_size` example indices, grouped by similar length (see [`warm_start`]).
+/// Every batch is full: the epoch is padded with a second draw when `examples.len()` is not a multiple.
+fn length_bucketed_batches(
+    examples: &[SftExample],
+    batch_size: usize,
+    rng: &mut ChaCha8Rng,
+) -> Vec<Vec<usize>> {
+    let mut idx: Vec<usize> = (0..examples.len()).collect();
+    idx.shuffle(rng);
+    while idx.len() % batch_size != 0 {
+        idx.push(idx[rng.random_range(0..examples.len())]);
+    }
+    let mut batches = Vec::with_capacity(idx.len() / batch_size);
+    for window in idx.chunks_mut(batch_size * 16) {
+        window.sort_by_key(|&i| examples[i].ids.len());
+        batches.extend(window.chunks(batch_size).map(|b| b.to_vec()));
+    }
+    batches.shuffle(rng);
+    batches
+}
+
 /// Runs the whole warm start into `dir` (tokenizer, model, SFT; writes `config.json`, `model.safetensors`,
 /// the tokenizer files and `warm_start.json`). `device` must be an autodiff device. `on_step(step, loss)` is
 /// called after every step (progress bars).
@@ -411,6 +433,12 @@ pub fn warm_start(
         .into_iter()
         .filter(|e| e.ids.len() <= window && e.ids.len() >= 2)
         .collect();
+    if examples.is_empty() {
+        return Err(Error::Invalid(format!(
+            "every warm-start demonstration is longer than the model window ({window} tokens): raise \
+             model.max_position_embeddings"
+        )));
+    }
     let mut mc = model_cfg.clone();
     mc.vocab_size = tok.vocab_size();
     mc.eos_token_id = tok.token_to_id(EOS).map(kiln_lm::TokenIds::One);
@@ -429,18 +457,20 @@ pub fn warm_start(
     };
     let mut optim = optim_cfg.build();
     let mut losses = Vec::with_capacity(cfg.steps);
-    let mut idx: Vec<usize> = (0..examples.len()).collect();
-    let mut cursor = idx.len();
+    // Length-bucketed batches: each epoch, shuffle, sort windows of 16 batches by length, cut them into
+    // batches and shuffle the batch order (much less padding than random batches: refiner prompts are long,
+    // direct prompts short).
+    let mut queue: Vec<Vec<usize>> = Vec::new();
     for step in 0..cfg.steps {
-        let mut batch = Vec::with_capacity(cfg.batch_size);
-        while batch.len() < cfg.batch_size {
-            if cursor >= idx.len() {
-                idx.shuffle(&mut rng);
-                cursor = 0;
-            }
-            batch.push(&examples[idx[cursor]]);
-            cursor += 1;
+        if queue.is_empty() {
+            queue = length_bucketed_batches(&examples, cfg.batch_size, &mut rng);
         }
+        let batch: Vec<&SftExample> = queue
+            .pop()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|i| &examples[i])
+            .collect();
         let loss = sft_loss(&model, &batch);
         let v = loss.clone().into_scalar::<f32>() as f64;
         if !v.is_finite() {

@@ -328,6 +328,8 @@ pub fn load_policy(
             .with_context(|| format!("loading the pre-trained policy {}", r.pretrained));
     }
     let dir = &r.init_dir;
+    let key_path = dir.join("warm_start.key");
+    let key = warm_start_key(r, env, seed);
     if !dir.join("config.json").is_file() {
         let world = env.world.as_ref().context(
             "the warm start needs the synthetic world: set train_data: synthetic (or give `pretrained:`)",
@@ -366,14 +368,52 @@ pub fn load_policy(
             report.loss_first,
             report.loss_last
         );
+        std::fs::write(&key_path, &key)
+            .with_context(|| format!("writing {}", key_path.display()))?;
     } else {
-        tracing::info!("using the warm-started policy in {}", dir.display());
+        match std::fs::read_to_string(&key_path) {
+            Ok(found) if found.trim() != key => bail!(
+                "{} was warm-started with other settings (world, warm_start, model, protocol or seed differ from \
+                 this recipe): delete that folder to warm-start again, or set `init_dir:` to a new folder",
+                dir.display()
+            ),
+            Ok(_) => tracing::info!("using the warm-started policy in {}", dir.display()),
+            Err(_) => tracing::info!(
+                "using the policy in {} (not made by kiln's warm start: no warm_start.key)",
+                dir.display()
+            ),
+        }
     }
     let tok = Tokenizer::from_hf_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let model = kiln_lm::load_hf_dir(dir, device)
         .with_context(|| format!("loading the policy of {}", dir.display()))?;
     Ok((model, tok))
+}
+
+/// What a warm start depends on (the world, its settings, the architecture, the protocol and the seed), as a
+/// stable hex digest: a warm-start folder made under other settings is never silently reused.
+fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
+    let world = env
+        .world
+        .as_ref()
+        .map(|w| kiln_search::synthetic::cache_key(&w.config))
+        .unwrap_or_default();
+    let text = serde_json::to_string(&(
+        world,
+        &r.warm_start,
+        &r.model,
+        &r.search.batch.protocol,
+        seed,
+    ))
+    .unwrap_or_default();
+    // FNV-1a, 64 bit: a fingerprint, not a security boundary.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 /// `kiln train` of a `search_r2` recipe.
