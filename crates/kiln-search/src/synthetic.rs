@@ -328,7 +328,10 @@ impl Namer {
     }
 
     fn root(&self, rng: &mut ChaCha8Rng) -> String {
-        self.roots.choose(rng).cloned().unwrap_or_else(|| "Kalo".into())
+        self.roots
+            .choose(rng)
+            .cloned()
+            .unwrap_or_else(|| "Kalo".into())
     }
 
     /// A name unused so far in the world: `"{first} {root}"` with `first` from `firsts`, or
@@ -336,9 +339,17 @@ impl Namer {
     fn name(&mut self, rng: &mut ChaCha8Rng, firsts: &[&str], kinds: &[&str]) -> String {
         for _ in 0..10_000 {
             let w = if firsts.is_empty() {
-                format!("{} {}", self.root(rng), kinds.choose(rng).unwrap_or(&"Hill"))
+                format!(
+                    "{} {}",
+                    self.root(rng),
+                    kinds.choose(rng).unwrap_or(&"Hill")
+                )
             } else {
-                format!("{} {}", firsts.choose(rng).unwrap_or(&"Mira"), self.root(rng))
+                format!(
+                    "{} {}",
+                    firsts.choose(rng).unwrap_or(&"Mira"),
+                    self.root(rng)
+                )
             };
             if self.used.insert(w.to_lowercase()) {
                 return w;
@@ -445,13 +456,11 @@ fn build_split(
         })
         .collect();
     let persons: Vec<Person> = (0..c.persons)
-        .map(|i| {
-            Person {
-                name: namer.name(rng, FIRST_NAMES, &[]),
-                doc: format!("syn-{tag}-person-{i}"),
-                city: rng.random_range(0..c.cities.max(1)),
-                year: rng.random_range(1700..2000),
-            }
+        .map(|i| Person {
+            name: namer.name(rng, FIRST_NAMES, &[]),
+            doc: format!("syn-{tag}-person-{i}"),
+            city: rng.random_range(0..c.cities.max(1)),
+            year: rng.random_range(1700..2000),
         })
         .collect();
     let companies: Vec<Company> = (0..c.companies)

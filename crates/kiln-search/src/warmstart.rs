@@ -112,7 +112,11 @@ pub fn train_tokenizer(world: &World, vocab_size: usize, dir: &Path) -> Result<T
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let mut texts: Vec<String> = Vec::new();
     // Training-split text only: held-out entities must not shape the vocabulary.
-    for d in world.corpus.iter().filter(|d| d.id.starts_with("syn-train-")) {
+    for d in world
+        .corpus
+        .iter()
+        .filter(|d| d.id.starts_with("syn-train-"))
+    {
         texts.push(format!("Doc 1(Title: {}) {}", d.title, d.text));
     }
     for q in &world.train {
