@@ -26,7 +26,7 @@
 //! `params.json`). [`demonstration_turns`] writes the gold search trajectory of a question in the protocol
 //! format, for a supervised warm-start; [`build_demonstrations`] runs them through a real search backend.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use rand::seq::{IndexedRandom, SliceRandom};
@@ -907,6 +907,76 @@ pub fn load_or_generate(
         Err(e) => return Err(Error::io(&dir, e)),
     }
     Ok((world, dir))
+}
+
+/// A consistent random renaming of a world's entity names: a bijection on the first names and one on the
+/// name roots (`Zenpel` in `Zenpel Harbor`, `Silur Foods`, `Lusa Zenpel`), applied word by word.
+///
+/// Used by the warm start (`rename_copies`): within one demonstration every name is renamed the same way, so
+/// the demonstration stays true to its own passages, but across copies the same question has other answers.
+/// A policy can then only lower its loss by reading names off the question and the retrieved passages, not by
+/// memorising the training split (which is what it does otherwise, and what makes held-out EM 0).
+#[derive(Debug, Clone)]
+pub struct Renamer {
+    map: HashMap<String, String>,
+}
+
+impl Renamer {
+    /// The name words of `world`: its first names and the roots of every entity title.
+    pub fn name_words(world: &World) -> (Vec<String>, Vec<String>) {
+        let firsts: Vec<String> = FIRST_NAMES.iter().map(|f| f.to_string()).collect();
+        let first_set: HashSet<&str> = FIRST_NAMES.iter().copied().collect();
+        let mut roots: Vec<String> = Vec::new();
+        let mut seen: HashSet<String> = HashSet::new();
+        for d in &world.corpus {
+            let words: Vec<&str> = d.title.split_whitespace().collect();
+            let root = match words.as_slice() {
+                [first, root] if first_set.contains(first) => *root,
+                [root, _kind] => *root,
+                _ => continue,
+            };
+            if !first_set.contains(root) && seen.insert(root.to_string()) {
+                roots.push(root.to_string());
+            }
+        }
+        roots.sort();
+        (firsts, roots)
+    }
+
+    /// A random renaming (uniform over the permutations of each word class).
+    pub fn random(world: &World, rng: &mut ChaCha8Rng) -> Self {
+        let (firsts, roots) = Self::name_words(world);
+        let mut map = HashMap::new();
+        for class in [firsts, roots] {
+            let mut to = class.clone();
+            to.shuffle(rng);
+            map.extend(class.into_iter().zip(to));
+        }
+        Renamer { map }
+    }
+
+    /// `text` with every whole word (maximal run of alphanumerics) that is a name word replaced.
+    pub fn apply(&self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut word = String::new();
+        let flush = |word: &mut String, out: &mut String| {
+            match self.map.get(word.as_str()) {
+                Some(to) => out.push_str(to),
+                None => out.push_str(word),
+            }
+            word.clear();
+        };
+        for c in text.chars() {
+            if c.is_alphanumeric() {
+                word.push(c);
+            } else {
+                flush(&mut word, &mut out);
+                out.push(c);
+            }
+        }
+        flush(&mut word, &mut out);
+        out
+    }
 }
 
 /// The gold trajectory of a question as assistant turns in the protocol format: one search per hop (the hop's

@@ -9,6 +9,12 @@
 //! - the baselines' formats (direct answer, retrieve-once RAG) so that `kiln eval --mode direct|rag` asks the
 //!   same weights a question in a format they know.
 //!
+//! With `rename_copies: N` the whole set is tokenized N times, each copy under its own random renaming of the
+//! entity names ([`crate::synthetic::Renamer`]). Without it a small model lowers its loss by memorising the
+//! 2,000 training questions' answers and never learns to copy a name from the passages (measured: held-out EM 0
+//! after 1,000 steps; in RAG mode 94% of its answers are names absent from its context, although the answer is there
+//! for 65% of the questions).
+//!
 //! The warm start is deliberately short: it teaches the formats and the basic search skill; GRPO has to make
 //! the policy reliable. Search-R1 and Search-R2 recipes start from the same warm-start folder.
 
@@ -33,7 +39,9 @@ use crate::protocol::{
 };
 use crate::refiner::build_refiner_prompt;
 use crate::rollout::SearchBackend;
-use crate::synthetic::{SyntheticQuestion, World, build_demonstrations, demonstration_turns};
+use crate::synthetic::{
+    Renamer, SyntheticQuestion, World, build_demonstrations, demonstration_turns,
+};
 
 /// Settings of the warm start (the recipe's `warm_start` section).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -54,6 +62,12 @@ pub struct WarmStartConfig {
     pub refiner_ratio: f64,
     /// Direct-answer and RAG demonstrations per agent demonstration (each). Default 0.15.
     pub baseline_ratio: f64,
+    /// Copies of the demonstration set, each under its own random renaming of the entity names (a bijection
+    /// on first names and name roots, consistent within a demonstration). 0 = the demonstrations as
+    /// generated. Renamed copies take memorising the training split away as a way to lower the loss: the
+    /// policy has to copy names from the question and the passages, which is what held-out questions need.
+    /// Default 0.
+    pub rename_copies: usize,
 }
 
 impl Default for WarmStartConfig {
@@ -66,6 +80,7 @@ impl Default for WarmStartConfig {
             max_questions: 0,
             refiner_ratio: 0.5,
             baseline_ratio: 0.15,
+            rename_copies: 0,
         }
     }
 }
@@ -224,22 +239,9 @@ pub fn build_examples(
         questions.truncate(cfg.max_questions);
     }
     let template = PromptTemplate::search_r1();
-    let (mut demos, dropped) = build_demonstrations(&questions, &template, protocol, search)?;
-    let mut out = Vec::new();
-    for ep in &mut demos {
-        tokenize_episode(tok, &mut ep.trajectory)?;
-        let (ids, m) = ep.trajectory.ids_and_loss_mask()?;
-        let p = ep.trajectory.prompt_token_ids.clone().unwrap_or_default();
-        let mut mask = vec![0.0; p.len()];
-        mask.extend(m);
-        let mut row = p;
-        row.extend(ids);
-        out.push(SftExample {
-            ids: row,
-            mask,
-            role: "agent",
-        });
-    }
+    let (demos, dropped) = build_demonstrations(&questions, &template, protocol, search)?;
+    // (prompt, target, role) of the non-agent demonstrations, as text until the renaming below.
+    let mut texts: Vec<(String, String, &'static str)> = Vec::new();
     // Map demos back to their questions (same order as `questions` minus the dropped ones).
     let by_question: std::collections::HashMap<&str, &SyntheticQuestion> = questions
         .iter()
@@ -265,7 +267,7 @@ pub fn build_examples(
         match k % 3 {
             0 => {
                 let p = build_refiner_prompt(&q.example.question, &ep.trajectory);
-                out.push(example_from(tok, encode(tok, &p)?, " 0", "refiner")?);
+                texts.push((p, " 0".into(), "refiner"));
             }
             1 => {
                 // Wrong final answer: the last step is the first bad one.
@@ -281,12 +283,7 @@ pub fn build_examples(
                     last.policy = crate::protocol::Segment::policy(answer_turn(q, wrong));
                 }
                 let p = build_refiner_prompt(&q.example.question, &tr);
-                out.push(example_from(
-                    tok,
-                    encode(tok, &p)?,
-                    &format!(" {t}"),
-                    "refiner",
-                )?);
+                texts.push((p, format!(" {t}"), "refiner"));
             }
             _ => {
                 // A wrong search at step j (< T): its query replaced and re-run.
@@ -319,12 +316,7 @@ pub fn build_examples(
                 crate::protocol::format_observation(&ps),
             ));
             let p = build_refiner_prompt(&q.example.question, &tr);
-            out.push(example_from(
-                tok,
-                encode(tok, &p)?,
-                &format!(" {j}"),
-                "refiner",
-            )?);
+            texts.push((p, format!(" {j}"), "refiner"));
         }
     }
     // Baseline formats.
@@ -332,8 +324,8 @@ pub fn build_examples(
     let direct = PromptTemplate::direct();
     for q in questions.iter().take(n_base) {
         let gold = gold_of(q);
-        let p = encode(tok, &direct.render(&q.example.question))?;
-        out.push(example_from(tok, p, &answer_turn(q, &gold), "direct")?);
+        let p = direct.render(&q.example.question);
+        texts.push((p, answer_turn(q, &gold), "direct"));
     }
     let rag_qs: Vec<&SyntheticQuestion> = questions.iter().rev().take(n_base).collect();
     let qs: Vec<String> = rag_qs.iter().map(|q| q.example.question.clone()).collect();
@@ -343,12 +335,47 @@ pub fn build_examples(
         ps.truncate(protocol.top_k);
         let gold = gold_of(q);
         let p = rag.render_with_context(&q.example.question, &format_documents(&ps));
-        out.push(example_from(
-            tok,
-            encode(tok, &p)?,
-            &answer_turn(q, &gold),
-            "rag",
-        )?);
+        texts.push((p, answer_turn(q, &gold), "rag"));
+    }
+    // Tokenize: once as generated, or `rename_copies` times, each copy under its own random renaming of the
+    // entity names (see [`Renamer`]).
+    let mut out = Vec::new();
+    for _ in 0..cfg.rename_copies.max(1) {
+        let ren = (cfg.rename_copies > 0).then(|| Renamer::random(world, rng));
+        let r = |s: &str| match &ren {
+            Some(x) => x.apply(s),
+            None => s.to_string(),
+        };
+        for ep in &demos {
+            let mut tr = ep.trajectory.clone();
+            if ren.is_some() {
+                tr.prompt = r(&tr.prompt);
+                tr.prompt_token_ids = None;
+                for st in &mut tr.steps {
+                    st.policy.text = r(&st.policy.text);
+                    st.policy.token_ids = None;
+                    if let Some(o) = &mut st.observation {
+                        o.text = r(&o.text);
+                        o.token_ids = None;
+                    }
+                }
+            }
+            tokenize_episode(tok, &mut tr)?;
+            let (ids, m) = tr.ids_and_loss_mask()?;
+            let p = tr.prompt_token_ids.clone().unwrap_or_default();
+            let mut mask = vec![0.0; p.len()];
+            mask.extend(m);
+            let mut row = p;
+            row.extend(ids);
+            out.push(SftExample {
+                ids: row,
+                mask,
+                role: "agent",
+            });
+        }
+        for (p, target, role) in &texts {
+            out.push(example_from(tok, encode(tok, &r(p))?, &r(target), role)?);
+        }
     }
     Ok((out, dropped))
 }

@@ -309,6 +309,7 @@ fn warm_start_learns_and_saves_a_loadable_model() {
         steps: 40,
         batch_size: 8,
         lr: 3e-3,
+        rename_copies: 2,
         ..WarmStartConfig::default()
     };
     let mc = TransformerConfig {

@@ -239,3 +239,45 @@ fn demonstrations_search_the_right_documents_and_score_full_reward() {
     assert!(t[0].starts_with("<think>") && t[0].ends_with("</search>"));
     assert!(t.last().unwrap().ends_with("</answer>"));
 }
+
+#[test]
+fn renamer_is_a_consistent_bijection_on_names() {
+    use kiln_search::synthetic::Renamer;
+    use rand::SeedableRng;
+    let w = generate(&WorldConfig::default()).unwrap();
+    let (firsts, roots) = Renamer::name_words(&w);
+    assert!(roots.len() >= 50 && roots.len() <= 120, "{}", roots.len());
+    assert!(firsts.iter().all(|f| !roots.contains(f)));
+    let ren = Renamer::random(&w, &mut rand_chacha::ChaCha8Rng::seed_from_u64(3));
+    // Whole words only, punctuation kept.
+    let r = &roots[0];
+    let out = ren.apply(&format!("{r}, {r}x {r}."));
+    let to = ren.apply(r);
+    assert_eq!(out, format!("{to}, {r}x {to}."));
+    // Distinct titles stay distinct; most change.
+    let titles: Vec<&str> = w.corpus.iter().map(|d| d.title.as_str()).collect();
+    let renamed: HashSet<String> = titles.iter().map(|t| ren.apply(t)).collect();
+    assert_eq!(renamed.len(), titles.iter().collect::<HashSet<_>>().len());
+    let changed = titles.iter().filter(|t| ren.apply(t) != **t).count();
+    assert!(
+        changed * 10 > titles.len() * 9,
+        "{changed}/{}",
+        titles.len()
+    );
+    // A renamed question is still answered by its renamed gold documents.
+    let docs: HashMap<&str, &str> = w
+        .corpus
+        .iter()
+        .map(|d| (d.id.as_str(), d.text.as_str()))
+        .collect();
+    for q in &w.train {
+        let gold = q.example.golden_answers[0].as_str();
+        let text: String = q.hops.iter().map(|h| docs[h.doc_id.as_str()]).collect();
+        let rq = ren.apply(&q.example.question);
+        let rg = ren.apply(gold);
+        assert!(
+            ren.apply(&text).contains(&rg) || rq.contains(&rg),
+            "{rq} -> {rg}"
+        );
+    }
+}
