@@ -68,6 +68,10 @@ pub struct WarmStartConfig {
     /// policy has to copy names from the question and the passages, which is what held-out questions need.
     /// Default 0.
     pub rename_copies: usize,
+    /// Weight of an auxiliary next-token loss on the context tokens (prompt, retrieved passages, refiner
+    /// prompts), each term averaged over its own tokens. The policy tokens alone are a thin signal (~50 per
+    /// demonstration); the passages repeat every entity name, which teaches copying. Default 0.
+    pub context_weight: f64,
 }
 
 impl Default for WarmStartConfig {
@@ -81,6 +85,7 @@ impl Default for WarmStartConfig {
             refiner_ratio: 0.5,
             baseline_ratio: 0.15,
             rename_copies: 0,
+            context_weight: 0.0,
         }
     }
 }
@@ -391,20 +396,41 @@ fn question_of(prompt: &str) -> &str {
 
 /// Mean masked negative log-likelihood of `batch` (differentiable when `model` is on an autodiff device).
 pub fn sft_loss(model: &Transformer, batch: &[&SftExample]) -> Tensor<1> {
+    sft_losses(model, batch, 0.0).0
+}
+
+/// The supervised loss with an auxiliary language-modelling term on the context tokens: returns
+/// `(policy + context_weight * context, policy)`, each term a mean over its own tokens (the context term over
+/// the prompt, observations and refiner prompts, i.e. every non-padding token outside the loss mask, the first
+/// token excepted). With `context_weight = 0` the context term is not computed.
+pub fn sft_losses(
+    model: &Transformer,
+    batch: &[&SftExample],
+    context_weight: f64,
+) -> (Tensor<1>, Tensor<1>) {
     let device = model.device();
     let rows: Vec<Vec<u32>> = batch.iter().map(|e| e.ids.clone()).collect();
     let (toks, mask, w) = padded(&rows, &device);
     let b = rows.len();
     let lp = score_tokens(model, toks, mask, 1.0); // [b, w-1]
     let mut m = vec![0.0f32; b * (w - 1)];
+    let mut c = vec![0.0f32; b * (w - 1)];
     for (i, e) in batch.iter().enumerate() {
         for p in 1..e.ids.len() {
             m[i * (w - 1) + p - 1] = e.mask[p];
+            c[i * (w - 1) + p - 1] = 1.0 - e.mask[p];
         }
     }
     let total: f32 = m.iter().sum::<f32>().max(1.0);
     let m = Tensor::<2>::from_data(TensorData::new(m, [b, w - 1]), &device);
-    (lp * m).sum().neg().div_scalar(total)
+    let policy = (lp.clone() * m).sum().neg().div_scalar(total);
+    if context_weight <= 0.0 {
+        return (policy.clone(), policy);
+    }
+    let n_ctx: f32 = c.iter().sum::<f32>().max(1.0);
+    let c = Tensor::<2>::from_data(TensorData::new(c, [b, w - 1]), &device);
+    let context = (lp * c).sum().neg().div_scalar(n_ctx);
+    (policy.clone() + context.mul_scalar(context_weight), policy)
 }
 
 /// One epoch of batches of `batch_size` example indices, grouped by similar length (see [`warm_start`]).
@@ -502,9 +528,11 @@ pub fn warm_start(
             .into_iter()
             .map(|i| &examples[i])
             .collect();
-        let loss = sft_loss(&model, &batch);
-        let v = loss.clone().into_scalar::<f32>() as f64;
-        if !v.is_finite() {
+        let (loss, policy_loss) = sft_losses(&model, &batch, cfg.context_weight);
+        // Logged and reported: the policy-token loss (comparable with or without the context term).
+        let v = policy_loss.into_scalar::<f32>() as f64;
+        let total = loss.clone().into_scalar::<f32>() as f64;
+        if !v.is_finite() || !total.is_finite() {
             return Err(Error::Invalid(format!(
                 "warm start: non-finite loss at step {step}; lower warm_start.lr"
             )));

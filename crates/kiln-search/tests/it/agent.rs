@@ -310,6 +310,7 @@ fn warm_start_learns_and_saves_a_loadable_model() {
         batch_size: 8,
         lr: 3e-3,
         rename_copies: 2,
+        context_weight: 0.5,
         ..WarmStartConfig::default()
     };
     let mc = TransformerConfig {
