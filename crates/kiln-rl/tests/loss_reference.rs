@@ -269,11 +269,12 @@ fn kl_estimators_closed_form_and_k3_is_nonnegative() {
             .into_data()
             .try_into_vec()
             .unwrap();
-        for i in 0..B * T {
+        assert_eq!(v.len(), B * T);
+        for (i, vi) in v.iter().enumerate() {
             let e = kl_ref(c.logp[i], c.refp[i], est);
-            assert!((v[i] as f64 - e).abs() < 1e-5, "{est:?}");
+            assert!((*vi as f64 - e).abs() < 1e-5, "{est:?}");
             if est == KlEstimator::K3 {
-                assert!(v[i] >= 0.0);
+                assert!(*vi >= 0.0);
             }
         }
     }

@@ -442,7 +442,7 @@ fn length_bucketed_batches(
 ) -> Vec<Vec<usize>> {
     let mut idx: Vec<usize> = (0..examples.len()).collect();
     idx.shuffle(rng);
-    while idx.len() % batch_size != 0 {
+    while !idx.len().is_multiple_of(batch_size) {
         idx.push(idx[rng.random_range(0..examples.len())]);
     }
     let mut batches = Vec::with_capacity(idx.len() / batch_size);
