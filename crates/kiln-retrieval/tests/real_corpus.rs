@@ -335,7 +335,13 @@ fn server_survives_hostile_requests() {
         "lone surrogate",
     );
     let big = format!("{{\"queries\": [\"{}\"]}}", "a ".repeat(1 << 20));
-    assert_json_error(&post(&c, &url, big).unwrap(), 413, "oversized body");
+    // The server answers 413 as soon as the limit is passed and closes the connection; a client still
+    // uploading the rest may see that as a reset instead of the response (a race that shows under load).
+    // Either is a refusal; that the server survives is checked by the requests below.
+    match post(&c, &url, big) {
+        Ok(res) => assert_json_error(&res, 413, "oversized body"),
+        Err(e) => eprintln!("oversized body: connection closed by the server mid-upload ({e})"),
+    }
     assert_json_error(
         &post(&c, &url, r#"{"queries": ["who"], "topk": 1000000000}"#).unwrap(),
         422,
