@@ -763,8 +763,8 @@ pub fn generate(config: &WorldConfig) -> Result<World, Error> {
     })
 }
 
-/// Stable 64-bit FNV-1a.
-fn fnv1a(bytes: &[u8]) -> u64 {
+/// Stable 64-bit FNV-1a (cache keys and fingerprints; not a security boundary).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
         h ^= u64::from(*b);

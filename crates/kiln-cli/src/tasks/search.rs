@@ -407,13 +407,7 @@ fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
         seed,
     ))
     .unwrap_or_default();
-    // FNV-1a, 64 bit: a fingerprint, not a security boundary.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    format!("{:016x}", kiln_search::synthetic::fnv1a(text.as_bytes()))
 }
 
 /// `kiln train` of a `search_r2` recipe.
