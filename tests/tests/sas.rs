@@ -73,7 +73,7 @@ fn sas_sudoku_chain_runs_end_to_end() {
     );
     assert!(
         p.path()
-            .join("runs/sas/denoiser-9x9/denoiser.bpk")
+            .join("runs/sas/denoiser-9x9-500/denoiser.bpk")
             .is_file()
     );
     let md = std::fs::read_to_string(run.join("eval/sudoku.md")).unwrap();
@@ -124,6 +124,78 @@ fn sas_sudoku_chain_runs_end_to_end() {
     let out = run_kiln(p.path(), &["eval", &runs, "--task", "gsm8k"]);
     assert!(!out.status.success());
     assert!(text(&out).contains("sas_gsm8k"), "{}", text(&out));
+
+    // The denoiser folder records its pre-training; the run records which weights it froze.
+    let den = p.path().join("runs/sas/denoiser-9x9-500");
+    let rec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(den.join("pretrain.json")).unwrap()).unwrap();
+    assert_eq!(rec["complete"], true, "{rec}");
+    assert_eq!(rec["steps_done"], 4, "{rec}");
+    assert!(run.join("denoiser_source.json").is_file());
+    // A recipe whose pre-training settings differ from the folder's is refused before any work.
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "recipes/sas_sudoku.yaml",
+            "--set",
+            "model.d_model=32",
+            "--set",
+            "model.n_layers=1",
+            "--set",
+            "model.n_heads=2",
+            "--set",
+            "model.d_ff=64",
+            "--set",
+            "pretrain.steps=5",
+            "--set",
+            "pretrain.batch_size=8",
+            "--set",
+            "pretrain.data.count=10",
+        ],
+    );
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(
+        log.contains("pretrain.steps: 4 -> 5") && log.contains("denoiser_dir"),
+        "{log}"
+    );
+    // Re-training the denoiser in place (another seed) invalidates the run's policy: eval refuses.
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "recipes/mdm_sudoku.yaml",
+            "--set",
+            "denoiser_dir=runs/sas/denoiser-9x9-500",
+            "--set",
+            "seed=1",
+            "--set",
+            "model.d_model=32",
+            "--set",
+            "model.n_layers=1",
+            "--set",
+            "model.n_heads=2",
+            "--set",
+            "model.d_ff=64",
+            "--set",
+            "pretrain.steps=4",
+            "--set",
+            "pretrain.batch_size=8",
+            "--set",
+            "pretrain.data.count=10",
+            "--set",
+            "logging.plots=false",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let out = run_kiln(
+        p.path(),
+        &["eval", &runs, "--task", "sudoku", "--data", &three],
+    );
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("re-trained or replaced"), "{log}");
 }
 
 fn only_run_dir_with(project: &std::path::Path, prefix: &str) -> PathBuf {

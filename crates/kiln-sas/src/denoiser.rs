@@ -677,6 +677,9 @@ pub fn pretrain(
         ..Default::default()
     };
     let mut optim = optim_cfg.build();
+    // Mark the folder as holding an unfinished pre-training before any weights are written: a
+    // crash from here on never leaves new weights behind an old "complete" record.
+    PretrainRecord::new(model_cfg, cfg, seed, 0, None).save(out_dir)?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_d1ff);
     let started = Instant::now();
     let mut losses = Vec::with_capacity(cfg.steps as usize);
@@ -731,6 +734,7 @@ pub fn pretrain(
         }
         if cfg.save_every > 0 && done % cfg.save_every == 0 && done < cfg.steps {
             save_denoiser(&model.valid(), out_dir)?;
+            PretrainRecord::new(model_cfg, cfg, seed, done, None).save(out_dir)?;
         }
     }
     let wall = started.elapsed().as_secs_f64();
@@ -738,6 +742,7 @@ pub fn pretrain(
     let final_loss = losses[losses.len() - tail..].iter().sum::<f64>() / tail as f64;
     let model = model.valid();
     save_denoiser(&model, out_dir)?;
+    PretrainRecord::new(model_cfg, cfg, seed, cfg.steps, Some(final_loss)).save(out_dir)?;
     let summary = PretrainSummary {
         steps: cfg.steps,
         final_loss,
@@ -753,6 +758,133 @@ pub fn pretrain(
         }
     })?;
     Ok((model, summary))
+}
+
+/// File in a denoiser folder recording how its weights were pre-trained.
+pub const PRETRAIN_RECORD_FILE: &str = "pretrain.json";
+
+/// How the weights in a denoiser folder were made: written by [`pretrain`] at every snapshot and
+/// at the end, so that a recipe can tell a finished pre-training from an interrupted one and
+/// from one made under other settings (instead of silently freezing the wrong denoiser).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PretrainRecord {
+    /// The run seed.
+    pub seed: u64,
+    /// Optimiser steps behind the saved weights.
+    pub steps_done: u64,
+    /// True once all `pretrain.steps` are done and the final weights are saved.
+    pub complete: bool,
+    /// Mean loss over the last 10% of steps (complete runs only).
+    pub final_loss: Option<f64>,
+    /// The denoiser architecture.
+    pub model: serde_json::Value,
+    /// The pre-training settings (`log_every` / `save_every` left out: they do not change the
+    /// weights).
+    pub pretrain: serde_json::Value,
+}
+
+impl PretrainRecord {
+    fn settings(
+        model: &DenoiserConfig,
+        cfg: &PretrainConfig,
+    ) -> (serde_json::Value, serde_json::Value) {
+        let m = serde_json::to_value(model).unwrap_or_default();
+        let mut p = serde_json::to_value(cfg).unwrap_or_default();
+        if let Some(o) = p.as_object_mut() {
+            o.remove("log_every");
+            o.remove("save_every");
+        }
+        (m, p)
+    }
+
+    /// The record of a pre-training of `model` with `cfg` and `seed`, `steps_done` steps in.
+    pub fn new(
+        model: &DenoiserConfig,
+        cfg: &PretrainConfig,
+        seed: u64,
+        steps_done: u64,
+        final_loss: Option<f64>,
+    ) -> Self {
+        let (m, p) = Self::settings(model, cfg);
+        Self {
+            seed,
+            steps_done,
+            complete: final_loss.is_some() && steps_done >= cfg.steps,
+            final_loss,
+            model: m,
+            pretrain: p,
+        }
+    }
+
+    /// Read `dir/pretrain.json`; `Ok(None)` when the folder has no record (a denoiser saved by
+    /// other means).
+    pub fn load(dir: &Path) -> Result<Option<Self>, DenoiserError> {
+        let path = dir.join(PRETRAIN_RECORD_FILE);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| DenoiserError::Io {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| DenoiserError::Shape {
+                path,
+                msg: format!("not a pre-training record ({e}); delete the file or the folder"),
+            })
+    }
+
+    /// Write `dir/pretrain.json` atomically.
+    pub fn save(&self, dir: &Path) -> Result<(), DenoiserError> {
+        let path = dir.join(PRETRAIN_RECORD_FILE);
+        let tmp = dir.join(".tmp-pretrain.json");
+        let io = |p: &Path, e: String| DenoiserError::Io {
+            path: p.to_path_buf(),
+            msg: e,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e.to_string()))?;
+        let json = serde_json::to_vec_pretty(self).map_err(|e| io(&path, e.to_string()))?;
+        std::fs::write(&tmp, json).map_err(|e| io(&tmp, e.to_string()))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e.to_string()))
+    }
+
+    /// The settings in which this record differs from a pre-training of `model` with `cfg` and
+    /// `seed`, as `field: recorded -> asked` lines (empty = same settings).
+    pub fn differences(
+        &self,
+        model: &DenoiserConfig,
+        cfg: &PretrainConfig,
+        seed: u64,
+    ) -> Vec<String> {
+        let (m, p) = Self::settings(model, cfg);
+        let mut out = Vec::new();
+        if self.seed != seed {
+            out.push(format!("seed: {} -> {}", self.seed, seed));
+        }
+        diff_values("model", &self.model, &m, &mut out);
+        diff_values("pretrain", &self.pretrain, &p, &mut out);
+        out
+    }
+}
+
+fn diff_values(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+    match (a, b) {
+        (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let null = serde_json::Value::Null;
+                diff_values(
+                    &format!("{path}.{k}"),
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    out,
+                );
+            }
+        }
+        _ if a != b => out.push(format!("{path}: {a} -> {b}")),
+        _ => {}
+    }
 }
 
 /// Save `model` as `dir/denoiser.bpk` plus its config `dir/denoiser.json` (atomically: written
@@ -902,6 +1034,93 @@ mod tests {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() < 1e-5);
         }
+        // The folder records a finished pre-training under exactly these settings.
+        let rec = PretrainRecord::load(dir.path())
+            .unwrap()
+            .expect("pretrain.json");
+        assert!(rec.complete);
+        assert_eq!(rec.steps_done, 30);
+        assert_eq!(rec.final_loss, Some(summary.final_loss));
+        assert!(rec.differences(&mcfg, &cfg, 7).is_empty());
+        // Logging and snapshot cadence do not change the weights: not a difference.
+        let quiet = PretrainConfig {
+            log_every: 5,
+            save_every: 10,
+            ..cfg.clone()
+        };
+        assert!(rec.differences(&mcfg, &quiet, 7).is_empty());
+        let longer = PretrainConfig {
+            steps: 60,
+            data: PuzzleSetConfig {
+                givens: vec![36],
+                ..cfg.data.clone()
+            },
+            ..cfg.clone()
+        };
+        let d = rec.differences(&mcfg, &longer, 8);
+        assert_eq!(
+            d,
+            vec![
+                "seed: 7 -> 8".to_string(),
+                "pretrain.data.givens: [40] -> [36]".to_string(),
+                "pretrain.steps: 30 -> 60".to_string(),
+            ]
+        );
+        let wider = DenoiserConfig {
+            d_model: 64,
+            ..mcfg.clone()
+        };
+        assert_eq!(
+            rec.differences(&wider, &cfg, 7),
+            vec!["model.d_model: 32 -> 64".to_string()]
+        );
+    }
+
+    #[test]
+    fn interrupted_pretraining_is_recorded_as_incomplete() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = PretrainConfig {
+            steps: 4,
+            batch_size: 4,
+            data: PuzzleSetConfig {
+                count: 8,
+                givens: vec![40],
+                ..Default::default()
+            },
+            log_every: 0,
+            save_every: 2,
+            ..Default::default()
+        };
+        let puzzles = cfg.data.load_in(&dir.path().join("cache")).unwrap();
+        let device = Device::flex();
+        let mcfg = tiny_denoiser_config(Shape::NINE);
+        // "Interrupt" after the step-2 snapshot: the metrics callback of step 3 panics.
+        let out = dir.path().join("den");
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut sink = |s: u64, _m: &[(&str, f64)]| {
+                if s >= 3 {
+                    panic!("interrupted");
+                }
+            };
+            let cfg = PretrainConfig {
+                log_every: 1,
+                ..cfg.clone()
+            };
+            pretrain(&mcfg, &cfg, &puzzles, &device, 7, &out, &mut sink)
+        }));
+        assert!(r.is_err());
+        assert!(denoiser_exists(&out), "the step-2 snapshot is on disk");
+        let rec = PretrainRecord::load(&out).unwrap().unwrap();
+        assert!(!rec.complete);
+        assert_eq!(rec.steps_done, 2);
+        assert_eq!(rec.final_loss, None);
+        // A record that is not JSON is a clear error naming the file.
+        std::fs::write(out.join(PRETRAIN_RECORD_FILE), "{not json").unwrap();
+        let e = PretrainRecord::load(&out).unwrap_err().to_string();
+        assert!(
+            e.contains(PRETRAIN_RECORD_FILE) && e.contains("delete"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -104,6 +104,9 @@ pub struct Report {
     pub best_heuristic: Option<String>,
     /// Board accuracy of learned minus best heuristic (paired bootstrap CI), when both exist.
     pub learned_minus_best: Option<Ci>,
+    /// Board accuracy of `learned+stage2` minus `learned` (paired bootstrap CI), when both exist.
+    #[serde(default)]
+    pub stage2_minus_learned: Option<Ci>,
 }
 
 /// Decode `puzzles` with each of `schedules` and collect per-puzzle outcomes.
@@ -198,7 +201,13 @@ pub fn report(
         (Some(l), Some(b)) => Some(paired_diff_ci(&l.board, &b.board, seed + 2)),
         _ => None,
     };
+    let stage2 = outcomes.iter().find(|o| o.schedule == "learned+stage2");
+    let stage2_minus_learned = match (stage2, learned) {
+        (Some(s), Some(l)) => Some(paired_diff_ci(&s.board, &l.board, seed + 3)),
+        _ => None,
+    };
     Report {
+        stage2_minus_learned,
         dataset: dataset.to_string(),
         n: outcomes.first().map_or(0, |o| o.board.len()),
         decode: cfg.clone(),
@@ -241,20 +250,31 @@ pub fn markdown(r: &Report) -> String {
             row.tau_expert
         ));
     }
-    if let (Some(b), Some(d)) = (&r.best_heuristic, &r.learned_minus_best) {
-        s.push_str(&format!(
-            "\nlearned - best heuristic ({b}), board accuracy: {:+.1} points, 95% CI [{:+.1}, {:+.1}]{}\n",
+    let diff_line = |label: &str, better: &str, d: &Ci| {
+        format!(
+            "{label}, board accuracy: {:+.1} points, 95% CI [{:+.1}, {:+.1}]{}\n",
             100.0 * d.mean,
             100.0 * d.lo,
             100.0 * d.hi,
             if d.lo > 0.0 {
-                " (excludes 0: learned is better)"
+                format!(" (excludes 0: {better} is better)")
             } else if d.hi < 0.0 {
-                " (excludes 0: learned is worse)"
+                format!(" (excludes 0: {better} is worse)")
             } else {
-                " (includes 0)"
+                " (includes 0)".to_string()
             }
+        )
+    };
+    if let (Some(b), Some(d)) = (&r.best_heuristic, &r.learned_minus_best) {
+        s.push('\n');
+        s.push_str(&diff_line(
+            &format!("learned - best heuristic ({b})"),
+            "learned",
+            d,
         ));
+    }
+    if let Some(d) = &r.stage2_minus_learned {
+        s.push_str(&diff_line("learned+stage2 - learned", "stage 2", d));
     }
     s
 }
@@ -386,5 +406,50 @@ mod tests {
         assert!((c.hi - c.lo) > 0.08 && (c.hi - c.lo) < 0.16, "{c:?}");
         let d = paired_diff_ci(&v, &v, 1);
         assert_eq!((d.mean, d.lo, d.hi), (0.0, 0.0, 0.0));
+    }
+
+    fn outcome(name: &str, board: Vec<f64>) -> ScheduleOutcome {
+        ScheduleOutcome {
+            schedule: name.into(),
+            cell: board.clone(),
+            tau: vec![f64::NAN; board.len()],
+            board,
+            decoded: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn report_compares_learned_with_the_best_heuristic_and_stage2_with_learned() {
+        // 100 puzzles: margin solves 50, confidence 40, learned the 50 of margin plus 20 more,
+        // learned+stage2 10 fewer than learned.
+        let b = |k: usize| -> Vec<f64> { (0..100).map(|i| (i < k) as u8 as f64).collect() };
+        let outs = vec![
+            outcome("random", b(0)),
+            outcome("confidence", b(40)),
+            outcome("margin", b(50)),
+            outcome("learned", b(70)),
+            outcome("learned+stage2", b(60)),
+        ];
+        let r = report("set", &outs, &DecodeConfig::default(), 3);
+        assert_eq!(r.best_heuristic.as_deref(), Some("margin"));
+        let d = r.learned_minus_best.unwrap();
+        assert!((d.mean - 0.2).abs() < 1e-12 && d.lo > 0.0, "{d:?}");
+        let d2 = r.stage2_minus_learned.unwrap();
+        assert!((d2.mean + 0.1).abs() < 1e-12 && d2.hi < 0.0, "{d2:?}");
+        let md = markdown(&r);
+        assert!(
+            md.contains("learned - best heuristic (margin), board accuracy: +20.0 points"),
+            "{md}"
+        );
+        assert!(md.contains("(excludes 0: learned is better)"), "{md}");
+        assert!(
+            md.contains("learned+stage2 - learned, board accuracy: -10.0 points"),
+            "{md}"
+        );
+        assert!(md.contains("(excludes 0: stage 2 is worse)"), "{md}");
+        // Without a stage-2 row there is no stage-2 line.
+        let r = report("set", &outs[..4], &DecodeConfig::default(), 3);
+        assert!(r.stage2_minus_learned.is_none());
+        assert!(!markdown(&r).contains("stage2"));
     }
 }

@@ -16,12 +16,13 @@ use std::sync::{Arc, Mutex};
 use anyhow::Context;
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use kiln_lm::TransformerConfig;
 use kiln_rl::Trainer;
 use kiln_sas::denoiser::{
-    DenoiserConfig, PretrainConfig, PuzzleSetConfig, SudokuDenoiser, check_denoiser_config,
-    check_pretrain, check_puzzle_set, denoiser_exists, load_denoiser, pretrain,
+    DENOISER_FILE, DenoiserConfig, PRETRAIN_RECORD_FILE, PretrainConfig, PretrainRecord,
+    PuzzleSetConfig, SudokuDenoiser, check_denoiser_config, check_pretrain, check_puzzle_set,
+    denoiser_exists, load_denoiser, pretrain,
 };
 use kiln_sas::eval::{ScheduleOutcome, draw_orders, markdown, report, run_schedules};
 use kiln_sas::gsm8k::{
@@ -425,11 +426,52 @@ fn resolve_denoiser(
     device: &Device,
 ) -> anyhow::Result<SudokuDenoiser> {
     let shape = shape_of(r.pretrain.data.side);
-    if !denoiser_exists(&r.denoiser_dir) {
+    let dir = &r.denoiser_dir;
+    if denoiser_exists(dir) {
+        match PretrainRecord::load(dir)? {
+            None => {
+                tracing::info!(
+                    "{}: a denoiser without a pre-training record ({PRETRAIN_RECORD_FILE}); using it as is",
+                    dir.display()
+                );
+                return Ok(load_denoiser(dir, shape, device)?);
+            }
+            Some(rec) if rec.complete => {
+                let diff = rec.differences(&r.model, &r.pretrain, common.seed);
+                let (seed, other): (Vec<_>, Vec<_>) =
+                    diff.into_iter().partition(|d| d.starts_with("seed:"));
+                if !other.is_empty() {
+                    anyhow::bail!(
+                        "{} holds a denoiser pre-trained under other settings than this recipe's \
+                         `model:` / `pretrain:` (recorded -> recipe):\n  {}\nPoint `denoiser_dir` \
+                         to another folder (a denoiser is pre-trained there first) or delete {}.",
+                        dir.display(),
+                        other.join("\n  "),
+                        dir.display()
+                    );
+                }
+                if let Some(s) = seed.first() {
+                    tracing::info!(
+                        "{}: denoiser pre-trained with another run seed ({s}); the settings match, using it",
+                        dir.display()
+                    );
+                }
+                return Ok(load_denoiser(dir, shape, device)?);
+            }
+            Some(rec) => tracing::warn!(
+                "{} holds an interrupted pre-training (weights of step {} of {}); pre-training again from scratch",
+                dir.display(),
+                rec.steps_done,
+                r.pretrain.steps
+            ),
+        }
+    } else {
         tracing::info!(
             "no denoiser in {}: pre-training one first (recipes/mdm_sudoku.yaml does the same alone)",
-            r.denoiser_dir.display()
+            dir.display()
         );
+    }
+    {
         let (m, s) =
             pretrain_denoiser(common, &r.model, &r.pretrain, &r.denoiser_dir, device, None)?;
         tracing::info!(
@@ -438,9 +480,61 @@ fn resolve_denoiser(
             s.steps_per_s,
             s.final_loss
         );
-        return Ok(m);
+        Ok(m)
     }
-    Ok(load_denoiser(&r.denoiser_dir, shape, device)?)
+}
+
+/// File in a `sas` run directory naming the frozen denoiser the policy was trained against.
+const DENOISER_SOURCE_FILE: &str = "denoiser_source.json";
+
+/// A digest of the denoiser weights in `dir` (FNV-1a of the weights file, hex).
+fn denoiser_digest(dir: &Path) -> anyhow::Result<String> {
+    let p = dir.join(DENOISER_FILE);
+    let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+    Ok(format!("{:016x}", kiln_search::synthetic::fnv1a(&bytes)))
+}
+
+/// Check that the denoiser in `denoiser_dir` is the one the run in `run_dir` recorded (runs
+/// made before the record existed pass), so that a policy is never evaluated or continued
+/// against a denoiser that was re-trained in the same folder since.
+fn check_denoiser_source(run_dir: &Path, denoiser_dir: &Path) -> anyhow::Result<()> {
+    let Some(p) = run_dir
+        .ancestors()
+        .take(4)
+        .map(|d| d.join(DENOISER_SOURCE_FILE))
+        .find(|p| p.is_file())
+    else {
+        return Ok(());
+    };
+    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let rec: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+    let want = rec
+        .get("weights_fnv1a")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default();
+    let have = denoiser_digest(denoiser_dir)?;
+    if want != have {
+        anyhow::bail!(
+            "the denoiser in {} (weights digest {have}) is not the one this run's policy was trained \
+             against ({} records {want}): it was re-trained or replaced since. Restore those weights, \
+             point `denoiser_dir` at them, or train the policy again.",
+            denoiser_dir.display(),
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+fn record_denoiser_source(run_dir: &Path, denoiser_dir: &Path) -> anyhow::Result<()> {
+    let rec = serde_json::json!({
+        "denoiser_dir": denoiser_dir.display().to_string(),
+        "weights_fnv1a": denoiser_digest(denoiser_dir)?,
+    });
+    std::fs::create_dir_all(run_dir)?;
+    let p = run_dir.join(DENOISER_SOURCE_FILE);
+    std::fs::write(&p, serde_json::to_vec_pretty(&rec)?)
+        .with_context(|| format!("writing {}", p.display()))
 }
 
 fn load_policy(r: &SasRecipe, path: &Path, device: &Device) -> anyhow::Result<OrderPolicy> {
@@ -477,8 +571,13 @@ pub fn train_sas(
     let device = run::device_for(common.backend)?;
     device.seed(common.seed);
     let denoiser = resolve_denoiser(common, r, &device)?;
+    if resume {
+        check_denoiser_source(run_dir, &r.denoiser_dir)?;
+    }
+    record_denoiser_source(run_dir, &r.denoiser_dir)?;
     let t_pre = started.elapsed().as_secs_f64();
     let policy = if !r.stage2.policy_from.as_os_str().is_empty() {
+        check_denoiser_source(&r.stage2.policy_from, &r.denoiser_dir)?;
         load_policy(r, &r.stage2.policy_from, &device)?
     } else {
         let train = r
@@ -695,6 +794,7 @@ pub fn eval_sas(
 ) -> anyhow::Result<()> {
     let device = run::device_for(common.backend)?;
     let shape = shape_of(r.pretrain.data.side);
+    check_denoiser_source(run_dir, &r.denoiser_dir)?;
     let denoiser = load_denoiser(&r.denoiser_dir, shape, &device)?;
     let s2dir = run_dir.join("denoiser-stage2");
     let s2 = if denoiser_exists(&s2dir) {
@@ -995,12 +1095,34 @@ fn load_text_lm(
     })
 }
 
+/// True-on-real-token mask of `b` rows of `len` tokens whose leading run of `pad` tokens is
+/// left padding; `None` when no row is padded (the plain forward is then the same and cheaper).
+/// A row made only of `pad` tokens is left unmasked (masking every key would be undefined).
+fn left_padding_mask(toks: &[u32], b: usize, len: usize, pad: u32) -> Option<Vec<bool>> {
+    let mut any = false;
+    let mut m = vec![true; b * len];
+    for (r, row) in toks.chunks(len.max(1)).take(b).enumerate() {
+        let lead = row.iter().take_while(|&&t| t == pad).count();
+        if lead > 0 && lead < row.len() {
+            any = true;
+            m[r * len..r * len + lead].fill(false);
+        }
+    }
+    any.then_some(m)
+}
+
 /// The [`StatsForward`] of a kiln-lm transformer: everything is reduced on the device (top-2
 /// probabilities, entropy, argmax, target log-prob), so only 5 numbers per position reach the
 /// host whatever the vocabulary; the mask token is never a prediction.
+///
+/// Prompts of a batch are left-padded with `pad` ([`left_pad`]): the leading run of `pad`
+/// tokens of each row is masked out of attention (and positions start at the first real token),
+/// so a padded row gets the same predictions as the same row alone. `pad` tokens after the first
+/// real token are real (LLaDA pads answers with its EOS and was trained to predict them).
 fn stats_forward(
     model: &kiln_lm::Transformer,
     mask: u32,
+    pad: u32,
 ) -> impl FnMut(&[u32], usize, usize, Option<&[u32]>) -> Vec<PosStats> + '_ {
     let device = model.device();
     let v = model.config().vocab_size;
@@ -1012,7 +1134,14 @@ fn stats_forward(
     move |toks: &[u32], b: usize, len: usize, targets: Option<&[u32]>| {
         let host = |t: &[u32]| -> Vec<i64> { t.iter().map(|&x| x as i64).collect() };
         let tt = Tensor::<2, Int>::from_data(TensorData::new(host(toks), [b, len]), &device);
-        let logits = model.forward(tt) + bias.clone().reshape([1, 1, v]);
+        let real = left_padding_mask(toks, b, len, pad);
+        let logits = match real {
+            Some(m) => {
+                let m = Tensor::<2, Bool>::from_data(TensorData::new(m, [b, len]), &device);
+                model.forward_masked(tt, m)
+            }
+            None => model.forward(tt),
+        } + bias.clone().reshape([1, 1, v]);
         let lp = log_softmax(logits, 2);
         let top2 = lp.clone().topk(2, 2);
         let arg = lp.clone().argmax(2);
@@ -1111,7 +1240,7 @@ pub fn run_gsm8k(
             seed: common.seed,
         };
         let task = TextSasTask::new(
-            Box::new(stats_forward(&lm.model, lm.mask)),
+            Box::new(stats_forward(&lm.model, lm.mask, lm.pad)),
             examples,
             settings,
         );
@@ -1153,7 +1282,7 @@ fn gsm8k_eval(
         problems.truncate(r.limit);
     }
     let vocab = lm.vocab();
-    let mut forward = stats_forward(&lm.model, lm.mask);
+    let mut forward = stats_forward(&lm.model, lm.mask, lm.pad);
     let mut results = Vec::new();
     println!(
         "GSM8K {} ({} problems), LLaDA-style decoding: gen_length {}, steps {}, block_length {}, greedy tokens, model {}",
@@ -1269,4 +1398,70 @@ pub fn eval_gsm8k(
         data.unwrap_or(&r.data),
         run_dir,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn left_padding_mask_covers_the_leading_pad_run_only() {
+        let pad = 9;
+        // Row 0 unpadded, row 1 padded by two (and a pad token later on, which is real).
+        let toks = [1, 2, 3, 9, 9, 9, 1, 9];
+        let m = left_padding_mask(&toks, 2, 4, pad).unwrap();
+        assert_eq!(m, vec![true, true, true, true, false, false, true, true]);
+        assert!(left_padding_mask(&[1, 9, 2, 9], 2, 2, pad).is_none());
+        // A row of padding only stays unmasked.
+        assert!(left_padding_mask(&[9, 9, 1, 2], 2, 2, pad).is_none());
+    }
+
+    /// A left-padded prompt must get the predictions it gets alone; the plain forward (what
+    /// decoding did before) does not, so this test fails without the padding mask.
+    #[test]
+    fn stats_of_a_left_padded_row_match_the_row_alone() {
+        let device = Device::flex();
+        device.seed(3);
+        let model = GsmRecipe::default().model.init(&device);
+        let (mask, pad) = (255u32, 0u32);
+        let row: Vec<u32> = vec![72, 105, 33, 255, 255, 255, 10, 255];
+        let len = row.len();
+        let mut fwd = stats_forward(&model, mask, pad);
+        let alone = fwd(&row, 1, len, Some(&row));
+        // Batch: another unpadded row of length len + 3, and `row` left-padded by 3.
+        let other: Vec<u32> = (0..len as u32 + 3).map(|i| 40 + i).collect();
+        let mut padded = vec![pad; 3];
+        padded.extend_from_slice(&row);
+        let toks: Vec<u32> = other.iter().chain(&padded).copied().collect();
+        let both = fwd(&toks, 2, len + 3, Some(&toks));
+        for (i, a) in alone.iter().enumerate() {
+            let p = &both[len + 3 + 3 + i];
+            assert!((a.top1 - p.top1).abs() < 1e-5, "pos {i}: {a:?} vs {p:?}");
+            assert!((a.margin - p.margin).abs() < 1e-5, "pos {i}");
+            assert!((a.entropy - p.entropy).abs() < 1e-4, "pos {i}");
+            assert!((a.target_lp - p.target_lp).abs() < 1e-4, "pos {i}");
+            assert_eq!(a.argmax, p.argmax, "pos {i}");
+        }
+        // The unpadded row of the batch is unaffected by the mask of its neighbour.
+        let other_alone = fwd(&other, 1, len + 3, Some(&other));
+        for (a, p) in other_alone.iter().zip(&both[..len + 3]) {
+            assert!((a.entropy - p.entropy).abs() < 1e-4);
+        }
+        // Control: attending to the padding changes the predictions of this model.
+        let pt = Tensor::<2, Int>::from_data(
+            TensorData::new(
+                padded.iter().map(|&x| x as i64).collect::<Vec<_>>(),
+                [1, len + 3],
+            ),
+            &device,
+        );
+        let at = Tensor::<2, Int>::from_data(
+            TensorData::new(row.iter().map(|&x| x as i64).collect::<Vec<_>>(), [1, len]),
+            &device,
+        );
+        let lp = model.forward(pt).slice([0..1, 3..len + 3]);
+        let la = model.forward(at);
+        let d = (lp - la).abs().max().into_scalar::<f32>();
+        assert!(d > 1e-3, "padding should matter without the mask ({d})");
+    }
 }
