@@ -24,25 +24,10 @@ fn sas_sudoku_chain_runs_end_to_end() {
         "final_eval.sets=[{{name: gen, generated: {{side: 9, count: 6, givens: [36], seed: 303}}}}, \
          {{name: magictour_top1465, path: \"{magic}\", limit: 2, schedules: [margin, learned]}}]"
     );
-    let out = run_kiln(
-        p.path(),
+    let a = args(
+        &["train", "recipes/sas_sudoku.yaml"],
+        4,
         &[
-            "train",
-            "recipes/sas_sudoku.yaml",
-            "--set",
-            "model.d_model=32",
-            "--set",
-            "model.n_layers=1",
-            "--set",
-            "model.n_heads=2",
-            "--set",
-            "model.d_ff=64",
-            "--set",
-            "pretrain.steps=4",
-            "--set",
-            "pretrain.batch_size=8",
-            "--set",
-            "pretrain.data.count=10",
             "--set",
             "sas.train.count=8",
             "--set",
@@ -61,6 +46,8 @@ fn sas_sudoku_chain_runs_end_to_end() {
             "logging.plots=false",
         ],
     );
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = run_kiln(p.path(), &a);
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(log.contains("wall time: pre-training"), "{log}");
@@ -133,27 +120,9 @@ fn sas_sudoku_chain_runs_end_to_end() {
     assert_eq!(rec["steps_done"], 4, "{rec}");
     assert!(run.join("denoiser_source.json").is_file());
     // A recipe whose pre-training settings differ from the folder's is refused before any work.
-    let out = run_kiln(
-        p.path(),
-        &[
-            "train",
-            "recipes/sas_sudoku.yaml",
-            "--set",
-            "model.d_model=32",
-            "--set",
-            "model.n_layers=1",
-            "--set",
-            "model.n_heads=2",
-            "--set",
-            "model.d_ff=64",
-            "--set",
-            "pretrain.steps=5",
-            "--set",
-            "pretrain.batch_size=8",
-            "--set",
-            "pretrain.data.count=10",
-        ],
-    );
+    let a = args(&["train", "recipes/sas_sudoku.yaml"], 5, &[]);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = run_kiln(p.path(), &a);
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
     assert!(
@@ -161,8 +130,7 @@ fn sas_sudoku_chain_runs_end_to_end() {
         "{log}"
     );
     // Re-training the denoiser in place (another seed) invalidates the run's policy: eval refuses.
-    let out = run_kiln(
-        p.path(),
+    let a = args(
         &[
             "train",
             "recipes/mdm_sudoku.yaml",
@@ -170,24 +138,12 @@ fn sas_sudoku_chain_runs_end_to_end() {
             "denoiser_dir=runs/sas/denoiser-9x9-500",
             "--set",
             "seed=1",
-            "--set",
-            "model.d_model=32",
-            "--set",
-            "model.n_layers=1",
-            "--set",
-            "model.n_heads=2",
-            "--set",
-            "model.d_ff=64",
-            "--set",
-            "pretrain.steps=4",
-            "--set",
-            "pretrain.batch_size=8",
-            "--set",
-            "pretrain.data.count=10",
-            "--set",
-            "logging.plots=false",
         ],
+        4,
+        &["--set", "logging.plots=false"],
     );
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = run_kiln(p.path(), &a);
     assert!(out.status.success(), "{}", text(&out));
     let out = run_kiln(
         p.path(),
@@ -196,6 +152,30 @@ fn sas_sudoku_chain_runs_end_to_end() {
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
     assert!(log.contains("re-trained or replaced"), "{log}");
+}
+
+/// `--set` arguments of the tiny denoiser (and its short pre-training) used by these tests.
+fn tiny_denoiser(pretrain_steps: u32) -> Vec<String> {
+    [
+        "model.d_model=32".to_string(),
+        "model.n_layers=1".into(),
+        "model.n_heads=2".into(),
+        "model.d_ff=64".into(),
+        format!("pretrain.steps={pretrain_steps}"),
+        "pretrain.batch_size=8".into(),
+        "pretrain.data.count=10".into(),
+    ]
+    .into_iter()
+    .flat_map(|kv| ["--set".to_string(), kv])
+    .collect()
+}
+
+/// `kiln` arguments: `head`, the tiny denoiser's, then `tail`.
+fn args(head: &[&str], steps: u32, tail: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = head.iter().map(|s| s.to_string()).collect();
+    v.extend(tiny_denoiser(steps));
+    v.extend(tail.iter().map(|s| s.to_string()));
+    v
 }
 
 fn only_run_dir_with(project: &std::path::Path, prefix: &str) -> PathBuf {
