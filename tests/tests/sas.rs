@@ -112,6 +112,52 @@ fn sas_sudoku_chain_runs_end_to_end() {
     assert!(!out.status.success());
     assert!(text(&out).contains("sas_gsm8k"), "{}", text(&out));
 
+    // Stage 2 on this run's policy; the stage-2 run has no checkpoints of its own, and `kiln eval`
+    // of it takes the policy from `stage2.policy_from` and the fine-tuned denoiser from the run.
+    let policy_from = format!("stage2.policy_from={runs}");
+    let a = args(
+        &["train", "recipes/sas_sudoku_stage2.yaml"],
+        4,
+        &[
+            "--set",
+            &policy_from,
+            "--set",
+            "stage2.steps=2",
+            "--set",
+            "stage2.batch_size=2",
+            "--set",
+            "stage2.puzzles=4",
+            "--set",
+            &sets,
+            "--set",
+            "final_eval.schedules=[margin, learned]",
+            "--set",
+            "final_eval.stage2_schedules=[learned]",
+            "--set",
+            "final_eval.image_puzzles=0",
+            "--set",
+            "logging.plots=false",
+        ],
+    );
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = run_kiln(p.path(), &a);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("| learned+stage2 |"), "{log}");
+    let s2run = only_run_dir_with(p.path(), "sas_sudoku_stage2");
+    assert!(s2run.join("denoiser-stage2/denoiser.bpk").is_file());
+    let s2runs = s2run.to_string_lossy().into_owned();
+    let out = run_kiln(
+        p.path(),
+        &["eval", &s2runs, "--task", "sudoku", "--data", &three],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("three (3 puzzles") && log.contains("| learned+stage2 |"),
+        "{log}"
+    );
+
     // The denoiser folder records its pre-training; the run records which weights it froze.
     let den = p.path().join("runs/sas/denoiser-9x9-500");
     let rec: serde_json::Value =

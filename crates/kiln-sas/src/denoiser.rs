@@ -524,6 +524,11 @@ impl Symmetry {
         Symmetry { digits, cells }
     }
 
+    /// Move per-cell values (weights, flags) to their destination cells; digits untouched.
+    pub fn permute<T: Copy>(&self, values: &[T]) -> Vec<T> {
+        self.cells.iter().map(|&src| values[src]).collect()
+    }
+
     /// Apply to a cell vector (values 0..=side).
     pub fn apply(&self, cells: &[u8]) -> Vec<u8> {
         self.cells
@@ -967,6 +972,19 @@ mod tests {
                 let puz = Board::from_cells(Shape::NINE, s.apply(p.puzzle.cells())).unwrap();
                 assert_eq!(puz.n_givens(), p.puzzle.n_givens());
                 assert!(puz.is_solved_by(&sol));
+                // Per-cell values travel with their cell: the flagged cell's destination holds
+                // the relabelled digit of the source cell.
+                for src in [0usize, 40, 80] {
+                    let mut flag = vec![false; 81];
+                    flag[src] = true;
+                    let moved = s.permute(&flag);
+                    let dst = moved.iter().position(|&f| f).unwrap();
+                    assert_eq!(moved.iter().filter(|&&f| f).count(), 1);
+                    assert_eq!(
+                        s.apply(p.solution.cells())[dst],
+                        s.apply(&[p.solution.cells()[src]; 81])[0]
+                    );
+                }
             }
         }
     }

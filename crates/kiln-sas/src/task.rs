@@ -533,6 +533,10 @@ pub struct Stage2Config {
     pub aux_weight: f64,
     /// Global gradient-norm clipping (0 = off).
     pub max_grad_norm: f64,
+    /// Apply a random Sudoku symmetry (digit relabelling, transposition, row/column and
+    /// band/stack permutations) to each example, as in pre-training: the order's cells move
+    /// with the board, so the example stays the same teacher-forced step.
+    pub augment: bool,
     /// Log a progress line every N steps (0 = never).
     pub log_every: u64,
 }
@@ -549,8 +553,49 @@ impl Default for Stage2Config {
             orders_per_puzzle: 2,
             aux_weight: 0.5,
             max_grad_norm: 1.0,
+            augment: true,
             log_every: 25,
         }
+    }
+}
+
+/// One stage-2 example: step `t` of `order` on puzzle `p`. Returns the input cells (givens and the
+/// true digits of `order[..t]` revealed, the rest masked), the solution, and the loss weight of each
+/// cell (1 on `order[t]`, plus `aux_weight / (order.len() - t)` on every masked cell). With `sym` the
+/// whole example is mapped through that board symmetry (cells move together with their weights).
+pub(crate) fn stage2_example(
+    p: &Puzzle,
+    order: &[usize],
+    t: usize,
+    aux_weight: f64,
+    sym: Option<&crate::denoiser::Symmetry>,
+) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
+    let mut cells = p.puzzle.cells().to_vec();
+    for &i in &order[..t] {
+        cells[i] = p.solution.cells()[i];
+    }
+    let still = order.len() - t;
+    let w: Vec<f32> = cells
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            let mut wi = 0.0;
+            if c == 0 {
+                wi += aux_weight / still as f64;
+            }
+            if i == order[t] {
+                wi += 1.0;
+            }
+            wi as f32
+        })
+        .collect();
+    match sym {
+        Some(sym) => (
+            sym.apply(&cells),
+            sym.apply(p.solution.cells()),
+            sym.permute(&w),
+        ),
+        None => (cells, p.solution.cells().to_vec(), w),
     }
 }
 
@@ -634,23 +679,13 @@ pub fn stage2(
                 continue;
             }
             let t = rng.random_range(0..order.len());
-            let mut cells = p.puzzle.cells().to_vec();
-            for &i in &order[..t] {
-                cells[i] = p.solution.cells()[i];
-            }
-            let still = order.len() - t;
-            for (i, (&c, &sol)) in cells.iter().zip(p.solution.cells()).enumerate() {
-                tokens.push(c as i64);
-                targets.push(sol as i64);
-                let mut wi = 0.0;
-                if c == 0 {
-                    wi += cfg.aux_weight / still as f64;
-                }
-                if i == order[t] {
-                    wi += 1.0;
-                }
-                w.push(wi as f32);
-            }
+            let sym = cfg
+                .augment
+                .then(|| crate::denoiser::Symmetry::random(shape, &mut rng));
+            let (cells, sol, ex_w) = stage2_example(p, order, t, cfg.aux_weight, sym.as_ref());
+            tokens.extend(cells.iter().map(|&c| c as i64));
+            targets.extend(sol.iter().map(|&c| c as i64));
+            w.extend(ex_w);
         }
         let bb = tokens.len() / n;
         if bb == 0 {
@@ -744,6 +779,49 @@ mod tests {
         let again = self_aware_rewards(&model, &refs, &ro.orders);
         for (a, b) in again.iter().flatten().zip(ro.step_rewards.iter().flatten()) {
             assert!((a - b).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn stage2_examples_are_teacher_forced_steps_also_under_a_symmetry() {
+        let (_, _, ps) = setup();
+        let p = &ps[0];
+        let order: Vec<usize> = (0..81).filter(|&i| p.puzzle.cells()[i] == 0).collect();
+        let givens = 81 - order.len();
+        let t = 7;
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let plain = stage2_example(p, &order, t, 0.5, None);
+        assert_eq!(plain.2[order[t]], 1.0 + 0.5 / (order.len() - t) as f32);
+        for sym in [
+            None,
+            Some(crate::denoiser::Symmetry::random(
+                p.puzzle.shape(),
+                &mut rng,
+            )),
+        ] {
+            let (cells, sol, w) = stage2_example(p, &order, t, 0.5, sym.as_ref());
+            // givens + the t revealed cells carry their true digit; the rest is masked
+            assert_eq!(cells.iter().filter(|&&c| c != 0).count(), givens + t);
+            for i in 0..81 {
+                if cells[i] != 0 {
+                    assert_eq!(
+                        cells[i], sol[i],
+                        "a revealed cell is not the solution digit"
+                    );
+                    assert_eq!(w[i], 0.0, "a revealed cell carries loss");
+                } else {
+                    assert!(w[i] > 0.0, "a masked cell carries no loss");
+                }
+            }
+            // exactly one target cell (weight > 1), masked; the weights sum to 1 + aux
+            let target: Vec<usize> = (0..81).filter(|&i| w[i] > 1.0).collect();
+            assert_eq!(target.len(), 1);
+            assert_eq!(cells[target[0]], 0);
+            assert!((w.iter().sum::<f32>() - 1.5).abs() < 1e-5);
+            if sym.is_none() {
+                assert_eq!(target[0], order[t]);
+                assert_eq!(w, plain.2);
+            }
         }
     }
 

@@ -404,9 +404,39 @@ pub fn locate_checkpoint(checkpoint: &Path) -> anyhow::Result<(PathBuf, PathBuf)
     Ok((ckpt, run_dir))
 }
 
+/// A `sas` stage-2 run that took its policy from another run (`stage2.policy_from`) has no
+/// checkpoints of its own: its policy checkpoint is the newest one of `policy_from`, and the run
+/// directory (its stage-2 denoiser, its reports) is `dir` itself. None when `dir` is not such a run.
+fn stage2_run_policy(dir: &Path, sets: &[String]) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
+    let recipe = dir.join(run::RECIPE_FILE);
+    if !recipe.is_file() {
+        return Ok(None);
+    }
+    let raw = crate::recipe::load_raw(&recipe, sets)?;
+    if check_task(&raw)? != "sas" {
+        return Ok(None);
+    }
+    let l = load_typed::<sas::SasRecipe>(&raw)?;
+    let from = &l.task.stage2.policy_from;
+    if !l.task.stage2.enabled || from.as_os_str().is_empty() {
+        return Ok(None);
+    }
+    let (ckpt, _) = locate_checkpoint(from).with_context(|| {
+        format!(
+            "{} takes its policy from stage2.policy_from = {}",
+            dir.display(),
+            from.display()
+        )
+    })?;
+    Ok(Some((ckpt, dir.to_path_buf())))
+}
+
 /// `kiln eval CHECKPOINT`: evaluate a checkpoint of a run with its own recipe.
 pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
-    let (ckpt, run_dir) = locate_checkpoint(&req.checkpoint)?;
+    let (ckpt, run_dir) = match locate_checkpoint(&req.checkpoint) {
+        Ok(found) => found,
+        Err(e) => stage2_run_policy(&req.checkpoint, &req.sets)?.ok_or(e)?,
+    };
     let recipe = run_dir.join(run::RECIPE_FILE);
     let raw = crate::recipe::load_raw(&recipe, &req.sets)?;
     match check_task(&raw)? {
