@@ -108,6 +108,24 @@ fn sas_sudoku_chain_runs_end_to_end() {
         log.contains("| learned |") && !log.contains("| random |"),
         "{log}"
     );
+    // `kiln eval` writes a folder of its own: the training run's table is kept as it was.
+    assert_eq!(
+        std::fs::read_to_string(run.join("eval/sudoku.md")).unwrap(),
+        md,
+        "kiln eval overwrote the run's table"
+    );
+    let evals: Vec<PathBuf> = std::fs::read_dir(run.join("eval"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("sudoku.md").is_file())
+        .collect();
+    assert_eq!(evals.len(), 1, "{evals:?}");
+    assert!(
+        std::fs::read_to_string(evals[0].join("sudoku.md"))
+            .unwrap()
+            .contains("three (3 puzzles")
+    );
     let out = run_kiln(p.path(), &["eval", &runs, "--task", "gsm8k"]);
     assert!(!out.status.success());
     assert!(text(&out).contains("sas_gsm8k"), "{}", text(&out));

@@ -685,7 +685,13 @@ pub fn train_sas(
         None
     };
     let t_s2 = started.elapsed().as_secs_f64() - t_pre - t_rl;
-    final_eval(r, &denoiser, &policy, stage2_denoiser.as_ref(), run_dir)?;
+    final_eval(
+        r,
+        &denoiser,
+        &policy,
+        stage2_denoiser.as_ref(),
+        &run_dir.join("eval"),
+    )?;
     let t_eval = started.elapsed().as_secs_f64() - t_pre - t_rl - t_s2;
     println!(
         "\nwall time: pre-training {t_pre:.0}s, policy {t_rl:.0}s, stage 2 {t_s2:.0}s, evaluation {t_eval:.0}s, total {:.0}s",
@@ -694,17 +700,16 @@ pub fn train_sas(
     Ok(())
 }
 
-/// Run the evaluation table of `r.final_eval`, print it and write `run_dir/eval/`.
+/// Run the evaluation table of `r.final_eval`, print it and write it to `out_dir`.
 fn final_eval(
     r: &SasRecipe,
     denoiser: &SudokuDenoiser,
     policy: &OrderPolicy,
     stage2: Option<&SudokuDenoiser>,
-    run_dir: &Path,
+    out_dir: &Path,
 ) -> anyhow::Result<()> {
     let fe = &r.final_eval;
-    let out_dir = run_dir.join("eval");
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut all_md = String::new();
     for set in &fe.sets {
         let puzzles = set.load()?;
@@ -803,7 +808,16 @@ pub fn eval_sas(
         None
     };
     let policy = load_policy(r, ckpt, &device)?;
-    final_eval(r, &denoiser, &policy, s2.as_ref(), run_dir)
+    // A folder of its own per `kiln eval`: the training run's table in `<run>/eval/` and earlier
+    // evaluations (other sets or schedules) are never overwritten.
+    let stem = format!("eval-{}", chrono::Utc::now().format("%Y%m%dT%H%M%SZ"));
+    let mut out = run_dir.join("eval").join(&stem);
+    let mut k = 2;
+    while out.exists() {
+        out = run_dir.join("eval").join(format!("{stem}-{k}"));
+        k += 1;
+    }
+    final_eval(r, &denoiser, &policy, s2.as_ref(), &out)
 }
 
 /// `kiln eval CHECKPOINT --task sudoku --data PATH`: the evaluation table of a `sas` run's
