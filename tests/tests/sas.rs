@@ -24,7 +24,8 @@ fn sas_sudoku_chain_runs_end_to_end() {
         "final_eval.sets=[{{name: gen, generated: {{side: 9, count: 6, givens: [36], seed: 303}}}}, \
          {{name: magictour_top1465, path: \"{magic}\", limit: 2, schedules: [margin, learned]}}]"
     );
-    let a = args(
+    let out = kiln_tiny(
+        p.path(),
         &["train", "recipes/sas_sudoku.yaml"],
         4,
         &[
@@ -46,8 +47,6 @@ fn sas_sudoku_chain_runs_end_to_end() {
             "logging.plots=false",
         ],
     );
-    let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let out = run_kiln(p.path(), &a);
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(log.contains("wall time: pre-training"), "{log}");
@@ -133,7 +132,8 @@ fn sas_sudoku_chain_runs_end_to_end() {
     // Stage 2 on this run's policy; the stage-2 run has no checkpoints of its own, and `kiln eval`
     // of it takes the policy from `stage2.policy_from` and the fine-tuned denoiser from the run.
     let policy_from = format!("stage2.policy_from={runs}");
-    let a = args(
+    let out = kiln_tiny(
+        p.path(),
         &["train", "recipes/sas_sudoku_stage2.yaml"],
         4,
         &[
@@ -157,8 +157,6 @@ fn sas_sudoku_chain_runs_end_to_end() {
             "logging.plots=false",
         ],
     );
-    let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let out = run_kiln(p.path(), &a);
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(log.contains("| learned+stage2 |"), "{log}");
@@ -184,9 +182,7 @@ fn sas_sudoku_chain_runs_end_to_end() {
     assert_eq!(rec["steps_done"], 4, "{rec}");
     assert!(run.join("denoiser_source.json").is_file());
     // A recipe whose pre-training settings differ from the folder's is refused before any work.
-    let a = args(&["train", "recipes/sas_sudoku.yaml"], 5, &[]);
-    let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let out = run_kiln(p.path(), &a);
+    let out = kiln_tiny(p.path(), &["train", "recipes/sas_sudoku.yaml"], 5, &[]);
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
     assert!(
@@ -194,7 +190,8 @@ fn sas_sudoku_chain_runs_end_to_end() {
         "{log}"
     );
     // Re-training the denoiser in place (another seed) invalidates the run's policy: eval refuses.
-    let a = args(
+    let out = kiln_tiny(
+        p.path(),
         &[
             "train",
             "recipes/mdm_sudoku.yaml",
@@ -206,8 +203,6 @@ fn sas_sudoku_chain_runs_end_to_end() {
         4,
         &["--set", "logging.plots=false"],
     );
-    let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let out = run_kiln(p.path(), &a);
     assert!(out.status.success(), "{}", text(&out));
     let out = run_kiln(
         p.path(),
@@ -234,12 +229,18 @@ fn tiny_denoiser(pretrain_steps: u32) -> Vec<String> {
     .collect()
 }
 
-/// `kiln` arguments: `head`, the tiny denoiser's, then `tail`.
-fn args(head: &[&str], steps: u32, tail: &[&str]) -> Vec<String> {
+/// Runs `kiln` in `project` with `head`, the tiny denoiser's arguments, then `tail`.
+fn kiln_tiny(
+    project: &std::path::Path,
+    head: &[&str],
+    steps: u32,
+    tail: &[&str],
+) -> std::process::Output {
     let mut v: Vec<String> = head.iter().map(|s| s.to_string()).collect();
     v.extend(tiny_denoiser(steps));
     v.extend(tail.iter().map(|s| s.to_string()));
-    v
+    let v: Vec<&str> = v.iter().map(String::as_str).collect();
+    run_kiln(project, &v)
 }
 
 fn only_run_dir_with(project: &std::path::Path, prefix: &str) -> PathBuf {
