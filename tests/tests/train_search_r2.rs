@@ -182,3 +182,47 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     assert!(text(&out).contains("/nonexistent/index"), "{}", text(&out));
     assert!(!text(&out).contains("panicked"), "{}", text(&out));
 }
+
+/// `recipes/search_r2_smollm2.yaml` as shipped (its `pretrained:` name is the one `just setup` records) runs a
+/// GRPO step with the real SmolLM2-135M-Instruct as actor and refiner, and its final table.
+#[test]
+fn smollm2_recipe_runs_on_the_installed_model() {
+    let p = scratch_project();
+    let a = args(
+        "recipes/search_r2_smollm2.yaml",
+        &[
+            "--set",
+            "trainer.steps=1",
+            "--set",
+            "trainer.eval_every=0",
+            "--set",
+            "trainer.mini_batch_size=2",
+            "--set",
+            "search.questions_per_step=1",
+            "--set",
+            "search.batch.group_size=2",
+            "--set",
+            "search.batch.protocol.max_turns=2",
+            "--set",
+            "search.sampling.max_new_tokens=8",
+            "--set",
+            "final_eval.questions=2",
+            "--set",
+            "final_eval.modes=[agent]",
+        ],
+    );
+    let out = run_kiln(p.path(), &a);
+    assert!(out.status.success(), "{}", text(&out));
+    let run = run_dir(p.path(), "search_r2_smollm2");
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 1);
+    assert!(
+        rows[0].contains_key("refiner/acceptance_rate"),
+        "{:?}",
+        rows[0].keys()
+    );
+    // No warm start was made: the policy is the installed checkpoint.
+    assert!(!p.path().join("runs/search/warm-start").exists());
+    let report = std::fs::read_to_string(run.join("eval/qa-step-1/report.md")).unwrap();
+    assert!(report.contains("| agent |"), "{report}");
+}
