@@ -164,7 +164,7 @@ fn dispatch(cmd: Command) -> anyhow::Result<()> {
                         print!("{}", explain::explain(&s));
                     }
                     None => {
-                        let names: Vec<&str> = tasks::TASKS.iter().map(|t| t.name).collect();
+                        let names: Vec<&str> = tasks::TASKS.iter().map(|t| t.name()).collect();
                         return Err(recipe::RecipeError::Task {
                             at: recipe::Origin::Default,
                             msg: format!(
@@ -178,7 +178,7 @@ fn dispatch(cmd: Command) -> anyhow::Result<()> {
                 None => {
                     println!("tasks:");
                     for t in tasks::TASKS {
-                        println!("  {:<16} {}", t.name, t.summary);
+                        println!("  {:<16} {}", t.name(), t.summary());
                     }
                     println!("\nrecipes in {}:", dir.display());
                     for (f, d) in explain::list_recipes(&dir) {

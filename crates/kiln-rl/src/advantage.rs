@@ -22,7 +22,7 @@ pub enum AdvantageEstimator {
     Rloo,
 }
 
-/// Epsilon added to the group standard deviation (METHODS.md: `std + 1e-6`).
+/// Epsilon added to the group standard deviation (METHODS, Search-R2 "Joint GRPO": `group std + 1e-6`).
 pub const STD_EPS: f64 = 1e-6;
 
 /// Advantages of one group of rewards.

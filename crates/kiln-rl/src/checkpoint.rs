@@ -169,6 +169,30 @@ impl CheckpointManager {
         }
     }
 
+    /// The checkpoint a user names: `path` itself when it holds a model file (`step-N/`), else
+    /// the newest complete checkpoint of the run directory `path`. Every command that takes "a
+    /// checkpoint or a run directory" resolves it here.
+    pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
+        if path.join(MODEL_FILE).is_file() {
+            return Ok(path.to_path_buf());
+        }
+        CheckpointManager::new(path, 1)
+            .latest()
+            .map(|(_, p)| p)
+            .ok_or_else(|| {
+                TrainError::Checkpoint(format!(
+                    "{} is neither a checkpoint directory (with {MODEL_FILE}) nor a run directory \
+                     with checkpoints",
+                    path.display()
+                ))
+            })
+    }
+
+    /// The run directory of a checkpoint directory (`<run>/checkpoints/step-N` -> `<run>`).
+    pub fn run_dir_of(checkpoint: &Path) -> Option<PathBuf> {
+        checkpoint.parent()?.parent().map(Path::to_path_buf)
+    }
+
     /// Read the trainer state of a checkpoint directory.
     pub fn read_state(dir: &Path) -> Result<TrainerState, TrainError> {
         let p = dir.join(STATE_FILE);

@@ -4,13 +4,21 @@
 
 pub mod advantage;
 pub mod checkpoint;
+pub mod digest;
+pub mod driver;
 pub mod loss;
 pub mod optim;
+pub mod sampler;
+#[cfg(feature = "sequence-task")]
+pub mod sequence;
+pub mod stats;
 pub mod trainer;
 
 pub use advantage::AdvantageEstimator;
+pub use driver::{Context, Driver, PipelineError, Trained};
 pub use loss::{KlEstimator, LossAgg, LossConfig};
 pub use optim::{LrSchedule, OptimConfig};
+pub use sampler::{EpochSampler, SamplerState};
 pub use trainer::{
     MetricsSink, NullSink, RlTask, Rollout, Scored, TaskError, TrainSummary, Trainer,
     TrainerConfig, TrainerOptions,

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LossAgg {
-    /// Mean over all unmasked actions of the minibatch (DAPO / verl `token-mean`; METHODS.md default).
+    /// Mean over all unmasked actions of the minibatch (DAPO / verl `token-mean`; the default of METHODS' "Joint GRPO").
     #[default]
     TokenMean,
     /// Mean over trajectories of the per-trajectory mean over its actions (original GRPO / verl
@@ -51,7 +51,7 @@ pub struct LossConfig {
     /// (SAS); otherwise the trajectory reward is broadcast to every action.
     pub reward_to_go: bool,
     /// Lower PPO clip range epsilon: the ratio is clipped to `[1 - clip_eps, 1 + clip_eps_high]`
-    /// (Schulman et al. 2017; METHODS.md: 0.2).
+    /// (Schulman et al. 2017; METHODS' "Joint GRPO": 0.2).
     pub clip_eps: f64,
     /// Upper clip range epsilon (DAPO's "clip-higher" when larger than `clip_eps`). Default 0.2.
     pub clip_eps_high: f64,
@@ -59,12 +59,12 @@ pub struct LossConfig {
     pub loss_agg: LossAgg,
     /// Constant normaliser of `seq_mean_token_sum_norm`; 0 = the padded number of actions of the batch.
     pub norm_len: usize,
-    /// KL penalty coefficient beta of `beta * KL(policy || reference)` as a loss term (GRPO; METHODS.md
-    /// default 0.001). 0 disables the reference policy entirely (no reference forward passes).
+    /// KL penalty coefficient beta of `beta * KL(policy || reference)` as a loss term (GRPO; METHODS'
+    /// "Joint GRPO" default 0.001). 0 disables the reference policy entirely (no reference forward passes).
     pub kl_beta: f64,
     /// KL estimator (k1 | k2 | k3).
     pub kl_estimator: KlEstimator,
-    /// Entropy bonus coefficient (loss -= coef * entropy). Off (0) by default, as in METHODS.md.
+    /// Entropy bonus coefficient (loss -= coef * entropy). Off (0) by default, as in METHODS' "Joint GRPO".
     pub entropy_coef: f64,
 }
 

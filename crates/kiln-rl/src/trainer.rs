@@ -1,7 +1,7 @@
 //! The generic on-policy loop: rollout -> rewards -> advantages -> `ppo_epochs` x minibatches of the
 //! loss -> optimiser step -> metrics -> checkpoint. It reads top to bottom in [`Trainer::train_step`].
 //!
-//! The seam (ARCHITECTURE.md): a task provides a rollout function producing per-action batches with
+//! The seam ("The RlTask seam" in the repository's `ARCHITECTURE.md`): a task provides a rollout function producing per-action batches with
 //! rewards, grouped by prompt, and a differentiable re-scoring of the same actions under given
 //! parameters. The trainer knows nothing else about the task.
 

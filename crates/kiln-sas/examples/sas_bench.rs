@@ -8,9 +8,8 @@
 use std::time::Instant;
 
 use burn::tensor::Device;
-use kiln_sas::denoiser::{
-    DenoiserConfig, PretrainConfig, PuzzleSetConfig, digit_log_probs, pretrain,
-};
+use kiln_sas::denoiser::{DenoiserConfig, PretrainConfig, digit_log_probs, pretrain};
+use kiln_sas::sudoku::PuzzleSetConfig;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -72,7 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     use kiln_sas::policy::{OrderPolicy, PolicyConfig};
     use kiln_sas::task::{SasConfig, SasTask};
     let sas = SasConfig::default();
-    let train = kiln_sas::denoiser::PuzzleSetConfig {
+    let train = PuzzleSetConfig {
         count: 64,
         givens: vec![36],
         ..Default::default()

@@ -6,8 +6,9 @@
 use std::path::Path;
 
 use crate::denoiser::SudokuDenoiser;
+use kiln_rl::stats::{Bootstrap, Quantile, paired_bootstrap_ci};
 use plotters::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
@@ -19,45 +20,27 @@ use crate::sudoku::tokens::kendall_tau_b;
 /// Bootstrap resamples of the confidence intervals.
 pub const BOOTSTRAP_SAMPLES: usize = 2000;
 
-/// Mean with a 95% percentile-bootstrap confidence interval.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Ci {
-    /// Sample mean.
-    pub mean: f64,
-    /// 2.5% percentile of the bootstrap means.
-    pub lo: f64,
-    /// 97.5% percentile of the bootstrap means.
-    pub hi: f64,
+pub use kiln_rl::stats::Ci;
+
+/// The tables' bootstrap: 95% level, [`BOOTSTRAP_SAMPLES`] resamples, nearest-rank percentiles.
+fn boot(seed: u64) -> Bootstrap {
+    Bootstrap {
+        resamples: BOOTSTRAP_SAMPLES,
+        level: 0.95,
+        seed,
+        quantile: Quantile::Nearest,
+    }
 }
 
 /// 95% percentile bootstrap CI of the mean of `values` (seeded, so reports are reproducible).
 pub fn bootstrap_ci(values: &[f64], seed: u64) -> Ci {
-    let n = values.len();
-    if n == 0 {
-        return Ci {
-            mean: f64::NAN,
-            lo: f64::NAN,
-            hi: f64::NAN,
-        };
-    }
-    let mean = values.iter().sum::<f64>() / n as f64;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut means: Vec<f64> = (0..BOOTSTRAP_SAMPLES)
-        .map(|_| (0..n).map(|_| values[rng.random_range(0..n)]).sum::<f64>() / n as f64)
-        .collect();
-    means.sort_by(f64::total_cmp);
-    let q = |p: f64| means[((p * (means.len() - 1) as f64).round() as usize).min(means.len() - 1)];
-    Ci {
-        mean,
-        lo: q(0.025),
-        hi: q(0.975),
-    }
+    kiln_rl::stats::bootstrap_ci(values, &boot(seed))
 }
 
-/// Paired bootstrap CI of `mean(a - b)` (the same puzzles under two schedules).
-pub fn paired_diff_ci(a: &[f64], b: &[f64], seed: u64) -> Ci {
-    let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
-    bootstrap_ci(&d, seed)
+/// Paired bootstrap CI of `mean(a - b)` (the same puzzles under two schedules); `None` when the
+/// two schedules were not run on the same number of puzzles.
+pub fn paired_diff_ci(a: &[f64], b: &[f64], seed: u64) -> Option<Ci> {
+    paired_bootstrap_ci(a, b, &boot(seed)).ok()
 }
 
 /// Per-puzzle outcomes of one schedule.
@@ -198,12 +181,12 @@ pub fn report(
         });
     let learned = outcomes.iter().find(|o| o.schedule == "learned");
     let learned_minus_best = match (learned, best) {
-        (Some(l), Some(b)) => Some(paired_diff_ci(&l.board, &b.board, seed + 2)),
+        (Some(l), Some(b)) => paired_diff_ci(&l.board, &b.board, seed + 2),
         _ => None,
     };
     let stage2 = outcomes.iter().find(|o| o.schedule == "learned+stage2");
     let stage2_minus_learned = match (stage2, learned) {
-        (Some(s), Some(l)) => Some(paired_diff_ci(&s.board, &l.board, seed + 3)),
+        (Some(s), Some(l)) => paired_diff_ci(&s.board, &l.board, seed + 3),
         _ => None,
     };
     Report {
@@ -404,7 +387,7 @@ mod tests {
         assert!(c.lo < 0.25 && c.hi > 0.25);
         // Binomial standard error ~ 0.031: the 95% CI half-width is about 0.06.
         assert!((c.hi - c.lo) > 0.08 && (c.hi - c.lo) < 0.16, "{c:?}");
-        let d = paired_diff_ci(&v, &v, 1);
+        let d = paired_diff_ci(&v, &v, 1).unwrap();
         assert_eq!((d.mean, d.lo, d.hi), (0.0, 0.0, 0.0));
     }
 

@@ -1,5 +1,5 @@
 //! GSM8K for masked diffusion LMs: answer extraction, exact numeric match, and LLaDA-style
-//! semi-autoregressive decoding with a choice of unmasking schedule (METHODS.md section 2).
+//! semi-autoregressive decoding with a choice of unmasking schedule (METHODS, SAS "Decoding").
 //!
 //! **Answer extraction** ([`extract_answer`]): the number after the last `####` marker if there
 //! is one, else the last number in the text. Thousands separators, currency signs, percent signs

@@ -1,4 +1,4 @@
-//! The order policy v_phi(i | state) of SAS (METHODS.md section 2): a small MLP over per-position
+//! The order policy v_phi(i | state) of SAS (METHODS, SAS "Order policy and training"): a small MLP over per-position
 //! features computed from the frozen denoiser's outputs, giving one logit per position; positions
 //! that may not be chosen (givens, revealed cells, cells outside the current block) are masked out
 //! before the softmax, so their probability is exactly 0.

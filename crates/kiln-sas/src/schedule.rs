@@ -1,5 +1,5 @@
-//! Decoding a masked-diffusion denoiser on Sudoku with an unmasking schedule (METHODS.md
-//! section 2): start from the puzzle (givens revealed, blanks masked); at each step choose `k`
+//! Decoding a masked-diffusion denoiser on Sudoku with an unmasking schedule (METHODS,
+//! SAS "Decoding" and "Heuristic schedules"): start from the puzzle (givens revealed, blanks masked); at each step choose `k`
 //! masked cells (inside the current block when blocks are on), reveal the denoiser's most likely
 //! digit there (greedy token choice), repeat until every cell is revealed.
 //!

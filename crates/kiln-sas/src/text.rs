@@ -1,4 +1,4 @@
-//! SAS for text masked-diffusion LMs (LLaDA-style; METHODS.md section 2): the one-layer
+//! SAS for text masked-diffusion LMs (LLaDA-style; METHODS, SAS "Order policy and training"): the one-layer
 //! transformer order policy over per-position features of the frozen denoiser, the
 //! teacher-forced rollout with the self-aware reward, and the GRPO task for kiln-rl.
 //!
@@ -16,7 +16,6 @@
 //! `log p(x_i | state)`; [`crate::gsm8k::llada_generate`] uses the trained policy to pick the
 //! `k` positions of each decoding step.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::module::{Module, Param};
@@ -24,16 +23,15 @@ use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use kiln_rl::{RlTask, Rollout, Scored, TaskError};
-use rand::SeedableRng;
-use rand::seq::SliceRandom;
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+use kiln_rl::{EpochSampler, RlTask, Rollout, Scored, TaskError};
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{MASKED_LOGIT, allowed_cells, cell_stats};
-use crate::task::{TfRollout, sample_allowed};
+use crate::reward::{StoredSteps, TfRollout, sample_allowed, score_steps};
+use crate::task::SAS_EPOCH_MIX;
 
 /// What the order policy and the self-aware reward need from one position's prediction.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -326,17 +324,7 @@ pub fn text_tf_rollout(
         .flat_map(|(pr, t)| pr.iter().chain(t.iter()).copied())
         .collect();
     let mut masked = vec![vec![true; p]; b];
-    let mut out = TfRollout {
-        orders: vec![Vec::new(); b],
-        step_rewards: vec![Vec::new(); b],
-        t_max: p,
-        ..Default::default()
-    };
-    if store {
-        out.features = vec![0f32; b * p * p * fd];
-        out.allowed = vec![true; b * p * p];
-        out.actions = vec![0i64; b * p];
-    }
+    let mut out = TfRollout::new(b, p, store.then_some((p, fd)));
     for t in 0..p {
         let flat: Vec<u32> = rows.iter().flatten().copied().collect();
         let t0 = Instant::now();
@@ -361,17 +349,10 @@ pub fn text_tf_rollout(
         for k in 0..b {
             let allowed = &al[k * p..(k + 1) * p];
             let i = sample_allowed(&logp[k * p..(k + 1) * p], allowed, rng);
-            out.step_rewards[k].push(stats[k * len + pl + i].target_lp as f64);
-            out.orders[k].push(i);
+            let inputs = store.then(|| (&f[k * p * fd..(k + 1) * p * fd], allowed));
+            out.reveal(k, t, i, stats[k * len + pl + i].target_lp, inputs);
             rows[k][pl + i] = targets[k][i];
             masked[k][i] = false;
-            if store {
-                let at = k * p + t;
-                out.features[at * p * fd..(at + 1) * p * fd]
-                    .copy_from_slice(&f[k * p * fd..(k + 1) * p * fd]);
-                out.allowed[at * p..(at + 1) * p].copy_from_slice(allowed);
-                out.actions[at] = i as i64;
-            }
         }
     }
     out
@@ -410,10 +391,7 @@ pub struct TextSasSettings {
 
 /// Rollout data of [`TextSasTask`].
 pub struct TextData {
-    features: Vec<f32>,
-    allowed: Vec<bool>,
-    actions: Vec<i64>,
-    t_max: usize,
+    steps: StoredSteps,
     /// The sampled orders.
     pub orders: Vec<Vec<usize>>,
 }
@@ -423,9 +401,7 @@ pub struct TextSasTask<'a> {
     forward: Box<StatsForward<'a>>,
     examples: Vec<TextExample>,
     cfg: TextSasSettings,
-    perm: Vec<usize>,
-    cursor: usize,
-    epoch: u64,
+    sampler: EpochSampler,
 }
 
 impl<'a> TextSasTask<'a> {
@@ -435,22 +411,12 @@ impl<'a> TextSasTask<'a> {
         examples: Vec<TextExample>,
         cfg: TextSasSettings,
     ) -> TextSasTask<'a> {
-        let mut t = TextSasTask {
+        TextSasTask {
             forward,
-            perm: Vec::new(),
+            sampler: EpochSampler::new(examples.len(), cfg.seed, SAS_EPOCH_MIX),
             examples,
             cfg,
-            cursor: 0,
-            epoch: 0,
-        };
-        t.shuffle();
-        t
-    }
-
-    fn shuffle(&mut self) {
-        let mut rng = ChaCha8Rng::seed_from_u64(self.cfg.seed ^ self.epoch.wrapping_mul(0x9e37));
-        self.perm = (0..self.examples.len()).collect();
-        self.perm.shuffle(&mut rng);
+        }
     }
 }
 
@@ -480,16 +446,12 @@ impl RlTask for TextSasTask<'_> {
             return Err("no training examples".into());
         }
         let g = self.cfg.group_size;
-        let mut ids = Vec::new();
-        for _ in 0..self.cfg.prompts_per_step {
-            if self.cursor >= self.perm.len() {
-                self.epoch += 1;
-                self.cursor = 0;
-                self.shuffle();
-            }
-            ids.extend(std::iter::repeat_n(self.perm[self.cursor], g));
-            self.cursor += 1;
-        }
+        let ids: Vec<usize> = self
+            .sampler
+            .take(self.cfg.prompts_per_step)
+            .into_iter()
+            .flat_map(|i| std::iter::repeat_n(i, g))
+            .collect();
         let prompts: Vec<&[u32]> = ids
             .iter()
             .map(|&i| self.examples[i].prompt.as_slice())
@@ -513,83 +475,27 @@ impl RlTask for TextSasTask<'_> {
             true,
         );
         let wall = t0.elapsed().as_secs_f64();
-        let n = ids.len();
-        let t_max = ro.t_max;
-        let mut action_mask = vec![0f32; n * t_max];
-        for (k, o) in ro.orders.iter().enumerate() {
-            for t in 0..o.len() {
-                action_mask[k * t_max + t] = 1.0;
-            }
-        }
-        let rewards: Vec<f64> = ro.step_rewards.iter().map(|r| r.iter().sum()).collect();
-        let mut metrics = BTreeMap::new();
-        let per_step: Vec<f64> = ro.step_rewards.iter().flatten().copied().collect();
-        metrics.insert(
-            "sas/reward_per_step".into(),
-            per_step.iter().sum::<f64>() / per_step.len().max(1) as f64,
-        );
-        metrics.insert("time/denoiser_s".into(), ro.denoiser_s);
-        metrics.insert(
-            "time/denoiser_share_of_rollout".into(),
-            ro.denoiser_s / wall.max(1e-9),
-        );
-        Ok(Rollout {
-            data: TextData {
-                features: ro.features,
-                allowed: ro.allowed,
-                actions: ro.actions,
-                t_max,
-                orders: ro.orders,
-            },
-            group_size: g,
-            rewards,
-            step_rewards: Some(ro.step_rewards),
-            max_actions: t_max,
-            action_mask,
-            metrics,
-        })
+        Ok(ro.into_rollout(g, wall, |steps, orders, _| TextData { steps, orders }))
     }
 
     fn score(&self, policy: &TextOrderPolicy, data: &TextData, indices: &[usize]) -> Scored {
-        let t = data.t_max;
-        let (p, fd) = (t, N_TEXT_FEATURES);
-        let b = indices.len();
-        let mut f = Vec::with_capacity(b * t * p * fd);
-        let mut al = Vec::with_capacity(b * t * p);
-        let mut act = Vec::with_capacity(b * t);
-        for &k in indices {
-            f.extend_from_slice(&data.features[k * t * p * fd..(k + 1) * t * p * fd]);
-            al.extend_from_slice(&data.allowed[k * t * p..(k + 1) * t * p]);
-            act.extend_from_slice(&data.actions[k * t..(k + 1) * t]);
-        }
-        let device = policy.device();
-        let ft = Tensor::<3>::from_data(TensorData::new(f, [b * t, p, fd]), &device);
-        let at = Tensor::<2, Bool>::from_data(TensorData::new(al, [b * t, p]), &device);
-        let idx = Tensor::<2, Int>::from_data(TensorData::new(act, [b * t, 1]), &device);
-        let lp = policy.log_probs(ft, at, self.cfg.temperature);
-        let logp = lp.clone().gather(1, idx).reshape([b, t]);
-        let entropy = (lp.clone().exp() * lp).sum_dim(1).neg().reshape([b, t]);
-        Scored {
-            logp,
-            entropy: Some(entropy),
-        }
+        let p = data.steps.t_max;
+        score_steps(
+            policy,
+            &data.steps,
+            indices,
+            p,
+            N_TEXT_FEATURES,
+            self.cfg.temperature,
+        )
     }
 
     fn state(&self) -> serde_json::Value {
-        serde_json::json!({"cursor": self.cursor, "epoch": self.epoch})
+        self.sampler.state().to_json()
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> Result<(), TaskError> {
-        if state.is_null() {
-            return Ok(());
-        }
-        let cursor = state["cursor"]
-            .as_u64()
-            .ok_or("task state lacks `cursor`")? as usize;
-        self.epoch = state["epoch"].as_u64().ok_or("task state lacks `epoch`")?;
-        self.shuffle();
-        self.cursor = cursor.min(self.perm.len());
-        Ok(())
+        Ok(self.sampler.load_json(state)?)
     }
 }
 
@@ -597,6 +503,7 @@ impl RlTask for TextSasTask<'_> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use rand::SeedableRng;
 
     /// A toy "denoiser" over vocab 6 (mask 5): position-dependent, state-dependent log-probs.
     fn toy() -> impl FnMut(&[u32], usize, usize, Option<&[u32]>) -> Vec<PosStats> {

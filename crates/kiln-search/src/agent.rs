@@ -344,7 +344,7 @@ impl SearchBackend for RetrieverBackend {
 /// The judge prompt of [`LmJudge`]; `{question}`, `{answer}` and `{documents}` are filled in.
 pub const JUDGE_TEMPLATE: &str = "You check whether retrieved documents help answer a question.\nQuestion: {question}\nGold answer: {answer}\nDocuments:\n{documents}\nDo these documents contain information that helps identify the gold answer? Answer yes or no:";
 
-/// The LLM-judge mode of the process reward (METHODS.md: the paper's judge is an LLM): a kiln-lm model
+/// The LLM-judge mode of the process reward (METHODS, Search-R2 "Reward": the paper's judge is an LLM): a kiln-lm model
 /// compares the teacher-forced log-probabilities of `" yes"` and `" no"` after [`JUDGE_TEMPLATE`];
 /// `u_i = 1` iff `log p(yes) > log p(no)` and the search returned a passage no earlier search returned
 /// (duplicates count 0, as with the deterministic judge).

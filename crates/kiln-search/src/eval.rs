@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use kiln_rl::stats::{Bootstrap, Quantile};
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
@@ -14,55 +13,20 @@ use crate::data::QaExample;
 use crate::protocol::{EndReason, Episode, Step};
 use crate::reward::{answer_in_passages, trajectory_outcome};
 
-/// A mean with a bootstrap confidence interval.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Ci {
-    /// Sample mean (NaN when empty).
-    pub mean: f64,
-    /// Lower bound.
-    pub lo: f64,
-    /// Upper bound.
-    pub hi: f64,
-    /// Sample size.
-    pub n: usize,
-}
+pub use kiln_rl::stats::Ci;
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let pos = q.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
-    let (i, f) = (pos.floor() as usize, pos - pos.floor());
-    if i + 1 < sorted.len() {
-        sorted[i] * (1.0 - f) + sorted[i + 1] * f
-    } else {
-        sorted[i]
-    }
-}
-
-/// Percentile bootstrap CI of the mean of `values` at `level` (e.g. 0.95) with `resamples` resamples, seeded.
+/// Percentile bootstrap CI of the mean of `values` at `level` (e.g. 0.95) with `resamples` resamples, seeded
+/// (linear interpolation between ranks; see [`kiln_rl::stats`]).
 pub fn bootstrap_ci(values: &[f64], resamples: usize, level: f64, seed: u64) -> Ci {
-    let n = values.len();
-    if n == 0 {
-        return Ci {
-            mean: f64::NAN,
-            lo: f64::NAN,
-            hi: f64::NAN,
-            n,
-        };
-    }
-    let mean = values.iter().sum::<f64>() / n as f64;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut means: Vec<f64> = (0..resamples.max(1))
-        .map(|_| (0..n).map(|_| values[rng.random_range(0..n)]).sum::<f64>() / n as f64)
-        .collect();
-    means.sort_by(f64::total_cmp);
-    let a = (1.0 - level) / 2.0;
-    Ci {
-        mean,
-        lo: percentile(&means, a),
-        hi: percentile(&means, 1.0 - a),
-        n,
+    kiln_rl::stats::bootstrap_ci(values, &qa_bootstrap(resamples, level, seed))
+}
+
+fn qa_bootstrap(resamples: usize, level: f64, seed: u64) -> Bootstrap {
+    Bootstrap {
+        resamples,
+        level,
+        seed,
+        quantile: Quantile::Linear,
     }
 }
 
@@ -74,15 +38,13 @@ pub fn paired_bootstrap_diff(
     level: f64,
     seed: u64,
 ) -> Result<Ci, Error> {
-    if a.len() != b.len() {
-        return Err(Error::Invalid(format!(
-            "paired bootstrap needs equal sizes, got {} and {}",
-            a.len(),
-            b.len()
-        )));
-    }
-    let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
-    Ok(bootstrap_ci(&d, resamples, level, seed))
+    kiln_rl::stats::paired_bootstrap_ci(a, b, &qa_bootstrap(resamples, level, seed)).map_err(
+        |(x, y)| {
+            Error::Invalid(format!(
+                "paired bootstrap needs equal sizes, got {x} and {y}"
+            ))
+        },
+    )
 }
 
 /// One evaluated question.

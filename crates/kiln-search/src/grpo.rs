@@ -1,4 +1,4 @@
-//! Joint GRPO for Search-R2 through kiln-rl's [`RlTask`] seam (METHODS.md section 1, "Joint GRPO").
+//! Joint GRPO for Search-R2 through kiln-rl's [`RlTask`] seam (METHODS, Search-R2 "Joint GRPO").
 //!
 //! One rollout batch = `questions_per_step` training questions x G trajectories from the actor, then the
 //! meta-refiner (same weights) and regeneration of the cut ones ([`crate::task::rollout_batch`]). Each
@@ -13,8 +13,7 @@ use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln_lm::{SamplingConfig, Tokenizer, Transformer, score_tokens};
-use kiln_rl::{RlTask, Rollout, Scored, TaskError};
-use rand::seq::SliceRandom;
+use kiln_rl::{EpochSampler, RlTask, Rollout, Scored, TaskError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -27,7 +26,7 @@ use crate::data::QaExample;
 use crate::eval::EvalMode;
 use crate::protocol::{PromptTemplate, Trajectory};
 use crate::reward::DeterministicJudge;
-use crate::task::{BatchConfig, evaluate, rollout_batch};
+use crate::task::{BatchConfig, RolloutItem, evaluate, rollout_batch};
 
 /// Settings of the GRPO task (the recipe's `search` section).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -79,7 +78,19 @@ impl Default for SearchTaskConfig {
     }
 }
 
+/// The packed rows of a rollout batch ([`SearchTask::pack_rows`]).
+#[derive(Default)]
+struct PackedRows {
+    data: SearchData,
+    action_mask: Vec<f32>,
+    /// Response tokens (policy and observation) over all rows.
+    response_tokens: usize,
+    /// Policy tokens (mask 1) of the responses over all rows.
+    policy_tokens: usize,
+}
+
 /// Rollout data kept for re-scoring.
+#[derive(Default)]
 pub struct SearchData {
     /// `prompt + response` ids per trajectory.
     actor_rows: Vec<Vec<u32>>,
@@ -102,18 +113,12 @@ pub struct SearchTask {
     search: RetrieverBackend,
     train: Vec<QaExample>,
     eval: Vec<QaExample>,
-    order: Vec<usize>,
-    cursor: usize,
-    epoch: u64,
-    seed: u64,
+    sampler: EpochSampler,
     judge_model: Option<(Transformer, Tokenizer)>,
 }
 
-#[derive(Serialize, Deserialize)]
-struct TaskState {
-    cursor: usize,
-    epoch: u64,
-}
+/// Epoch-shuffle constant of the training questions' [`EpochSampler`].
+const EPOCH_MIX: u64 = 0x9E37_79B9;
 
 fn task_err(e: impl std::fmt::Display) -> TaskError {
     e.to_string().into()
@@ -140,21 +145,16 @@ impl SearchTask {
         }
         template.validate()?;
         cfg.batch.protocol.validate()?;
-        let mut t = SearchTask {
+        Ok(SearchTask {
             cfg,
             tokenizer,
             template,
             search,
+            sampler: EpochSampler::new(train.len(), seed, EPOCH_MIX),
             train,
             eval,
-            order: Vec::new(),
-            cursor: 0,
-            epoch: 0,
-            seed,
             judge_model: None,
-        };
-        t.shuffle();
-        Ok(t)
+        })
     }
 
     /// Uses `model` as the LLM judge (with `judge: llm`) instead of the policy itself.
@@ -163,48 +163,125 @@ impl SearchTask {
         self
     }
 
-    fn shuffle(&mut self) {
-        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ (self.epoch.wrapping_mul(0x9E37_79B9)));
-        self.order = (0..self.train.len()).collect();
-        self.order.shuffle(&mut rng);
-    }
-
     fn next_questions(&mut self) -> Vec<QaExample> {
-        let mut out = Vec::with_capacity(self.cfg.questions_per_step);
-        while out.len() < self.cfg.questions_per_step {
-            if self.cursor >= self.order.len() {
-                self.epoch += 1;
-                self.cursor = 0;
-                self.shuffle();
-            }
-            out.push(self.train[self.order[self.cursor]].clone());
-            self.cursor += 1;
-        }
-        out
+        self.sampler
+            .take(self.cfg.questions_per_step)
+            .into_iter()
+            .map(|i| self.train[i].clone())
+            .collect()
     }
 
-    /// Greedy evaluation of the actor alone on `examples` in `mode`.
-    pub fn evaluate_examples(
-        &self,
-        policy: &Transformer,
-        dataset: &str,
-        examples: &[QaExample],
-        mode: EvalMode,
-        max_new_tokens: usize,
-    ) -> Result<(Vec<crate::eval::QaRecord>, crate::rollout::RolloutStats), Error> {
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let sampling = SamplingConfig::greedy(max_new_tokens);
-        let mut actor = LmActor::new(policy, &self.tokenizer, sampling, &mut rng);
-        actor.max_batch = self.cfg.max_batch;
-        evaluate(
-            dataset,
-            examples,
-            mode,
-            &self.cfg.batch.protocol,
-            &mut actor,
-            &self.search,
-        )
+    /// The re-scoring rows of a rollout batch: per trajectory the `prompt + response` ids (cut to
+    /// the model's `window`) with the response's loss mask, and under joint optimisation the
+    /// `refiner prompt + decision` ids of its last refiner decision; plus the action mask over
+    /// the action axis `[actor part | refiner part]`.
+    fn pack_rows(&self, items: &[RolloutItem], window: usize) -> Result<PackedRows, TaskError> {
+        let joint = self.cfg.batch.refiner.enabled && self.cfg.batch.refiner.joint;
+        let n = items.len();
+        let mut p = PackedRows::default();
+        let mut actor_masks = Vec::with_capacity(n);
+        for it in items {
+            let mut traj: Trajectory = it.episode.trajectory.clone();
+            tokenize_episode(&self.tokenizer, &mut traj).map_err(task_err)?;
+            let (ids, mut m) = traj.ids_and_loss_mask().map_err(task_err)?;
+            let prompt = traj.prompt_token_ids.clone().unwrap_or_default();
+            let mut row = prompt.clone();
+            row.extend_from_slice(&ids);
+            // Tokens past the window cannot be scored: drop them (and their mask).
+            if row.len() > window {
+                row.truncate(window);
+                m.truncate(window.saturating_sub(prompt.len()));
+            }
+            p.response_tokens += m.len();
+            p.policy_tokens += m.iter().filter(|x| **x > 0.0).count();
+            p.data.actor_start.push(prompt.len());
+            p.data.actor_rows.push(row);
+            actor_masks.push(m);
+            let rr = if joint {
+                self.refiner_row(it, window)?
+            } else {
+                None
+            };
+            p.data.refiner_rows.push(rr);
+        }
+        let ta = actor_masks.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let td = p
+            .data
+            .refiner_rows
+            .iter()
+            .flatten()
+            .map(|(r, s)| r.len() - s)
+            .max()
+            .unwrap_or(0);
+        let t = ta + td;
+        p.action_mask = vec![0.0f32; n * t];
+        for (i, m) in actor_masks.iter().enumerate() {
+            p.action_mask[i * t..i * t + m.len()].copy_from_slice(m);
+            if let Some((r, s)) = &p.data.refiner_rows[i] {
+                for k in 0..r.len() - s {
+                    p.action_mask[i * t + ta + k] = 1.0;
+                }
+            }
+        }
+        p.data.ta = ta;
+        p.data.td = td;
+        Ok(p)
     }
+
+    /// `refiner prompt + decision` ids of the last refiner decision on `it` and the decision's
+    /// start (the prompt left-trimmed to fit `window`); `None` when the refiner did not decide.
+    fn refiner_row(
+        &self,
+        it: &RolloutItem,
+        window: usize,
+    ) -> Result<Option<(Vec<u32>, usize)>, TaskError> {
+        let Some((p, d)) = it
+            .refiner
+            .iter()
+            .rev()
+            .find_map(|r| r.decision_text().map(|d| (r.prompt.clone(), d)))
+        else {
+            return Ok(None);
+        };
+        let d_ids = encode(&self.tokenizer, &d).map_err(task_err)?;
+        let p_ids = fit_window(
+            encode(&self.tokenizer, &p).map_err(task_err)?,
+            d_ids.len(),
+            window,
+        );
+        let start = p_ids.len();
+        let mut row = p_ids;
+        row.extend(d_ids);
+        Ok((start >= 1).then_some((row, start)))
+    }
+}
+
+/// Greedy evaluation of the actor `policy` alone on `examples` in `mode`, with the protocol and
+/// re-scoring batch of `cfg`: the periodic evaluation of [`SearchTask`] and the checkpoint
+/// evaluation of `kiln eval` ([`crate::pipeline::eval_checkpoint`]) both run this.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_examples(
+    policy: &Transformer,
+    tokenizer: &Tokenizer,
+    cfg: &SearchTaskConfig,
+    search: &RetrieverBackend,
+    dataset: &str,
+    examples: &[QaExample],
+    mode: EvalMode,
+    max_new_tokens: usize,
+) -> Result<(Vec<crate::eval::QaRecord>, crate::rollout::RolloutStats), Error> {
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let sampling = SamplingConfig::greedy(max_new_tokens);
+    let mut actor = LmActor::new(policy, tokenizer, sampling, &mut rng);
+    actor.max_batch = cfg.max_batch;
+    evaluate(
+        dataset,
+        examples,
+        mode,
+        &cfg.batch.protocol,
+        &mut actor,
+        search,
+    )
 }
 
 /// Left-trims `ids` so that `ids.len() + extra <= window` (the refiner decision follows the prompt's end).
@@ -303,86 +380,18 @@ impl RlTask for SearchTask {
             rng,
         )
         .map_err(task_err)?;
-        let joint = self.cfg.batch.refiner.enabled && self.cfg.batch.refiner.joint;
         let n = out.items.len();
-        let mut actor_rows = Vec::with_capacity(n);
-        let mut actor_start = Vec::with_capacity(n);
-        let mut actor_masks = Vec::with_capacity(n);
-        let mut refiner_rows = Vec::with_capacity(n);
-        let mut resp_tokens = 0usize;
-        let mut policy_tokens = 0usize;
-        for it in &out.items {
-            let mut traj: Trajectory = it.episode.trajectory.clone();
-            tokenize_episode(&self.tokenizer, &mut traj).map_err(task_err)?;
-            let (ids, mut m) = traj.ids_and_loss_mask().map_err(task_err)?;
-            let prompt = traj.prompt_token_ids.clone().unwrap_or_default();
-            let mut row = prompt.clone();
-            row.extend_from_slice(&ids);
-            // Tokens past the window cannot be scored: drop them (and their mask).
-            if row.len() > window {
-                row.truncate(window);
-                m.truncate(window.saturating_sub(prompt.len()));
-            }
-            resp_tokens += m.len();
-            policy_tokens += m.iter().filter(|x| **x > 0.0).count();
-            actor_start.push(prompt.len());
-            actor_rows.push(row);
-            actor_masks.push(m);
-            let rr = if joint {
-                match it
-                    .refiner
-                    .iter()
-                    .rev()
-                    .find_map(|r| r.decision_text().map(|d| (r.prompt.clone(), d)))
-                {
-                    Some((p, d)) => {
-                        let d_ids = encode(&self.tokenizer, &d).map_err(task_err)?;
-                        let p_ids = fit_window(
-                            encode(&self.tokenizer, &p).map_err(task_err)?,
-                            d_ids.len(),
-                            window,
-                        );
-                        let start = p_ids.len();
-                        let mut row = p_ids;
-                        row.extend(d_ids);
-                        (start >= 1).then_some((row, start))
-                    }
-                    None => None,
-                }
-            } else {
-                None
-            };
-            refiner_rows.push(rr);
-        }
-        let ta = actor_masks.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let td = refiner_rows
-            .iter()
-            .flatten()
-            .map(|(r, s)| r.len() - s)
-            .max()
-            .unwrap_or(0);
-        let t = ta + td;
-        let mut action_mask = vec![0.0f32; n * t];
-        for (i, m) in actor_masks.iter().enumerate() {
-            action_mask[i * t..i * t + m.len()].copy_from_slice(m);
-            if let Some((r, s)) = &refiner_rows[i] {
-                for k in 0..r.len() - s {
-                    action_mask[i * t + ta + k] = 1.0;
-                }
-            }
-        }
+        let packed = self.pack_rows(&out.items, window)?;
         let mut metrics = out.metrics();
+        let policy_tokens = packed.policy_tokens as f64;
         metrics.insert(
             "rollout/response_tokens".into(),
-            resp_tokens as f64 / n as f64,
+            packed.response_tokens as f64 / n as f64,
         );
-        metrics.insert(
-            "rollout/policy_tokens".into(),
-            policy_tokens as f64 / n as f64,
-        );
+        metrics.insert("rollout/policy_tokens".into(), policy_tokens / n as f64);
         metrics.insert(
             "rollout/generated_tokens_per_s".into(),
-            policy_tokens as f64 / out.rollout.generate_seconds.max(1e-9),
+            policy_tokens / out.rollout.generate_seconds.max(1e-9),
         );
         metrics.insert(
             "rollout/retrieval_calls_per_s".into(),
@@ -394,19 +403,14 @@ impl RlTask for SearchTask {
             .filter(|i| i.reward.answer.is_some())
             .count();
         metrics.insert("rollout/answered".into(), answered as f64 / n as f64);
+        let max_actions = packed.data.ta + packed.data.td;
         Ok(Rollout {
-            data: SearchData {
-                actor_rows,
-                actor_start,
-                refiner_rows,
-                ta,
-                td,
-            },
+            data: packed.data,
             group_size: self.cfg.batch.group_size,
             rewards: out.totals(),
             step_rewards: None,
-            max_actions: t,
-            action_mask,
+            max_actions,
+            action_mask: packed.action_mask,
             metrics,
         })
     }
@@ -447,15 +451,17 @@ impl RlTask for SearchTask {
             return Ok(BTreeMap::new());
         }
         let examples = self.eval[..n].to_vec();
-        let (records, stats) = self
-            .evaluate_examples(
-                policy,
-                "eval",
-                &examples,
-                EvalMode::Agent,
-                self.cfg.sampling.max_new_tokens,
-            )
-            .map_err(task_err)?;
+        let (records, stats) = evaluate_examples(
+            policy,
+            &self.tokenizer,
+            &self.cfg,
+            &self.search,
+            "eval",
+            &examples,
+            EvalMode::Agent,
+            self.cfg.sampling.max_new_tokens,
+        )
+        .map_err(task_err)?;
         let k = records.len().max(1) as f64;
         let mut m = BTreeMap::new();
         m.insert(
@@ -483,21 +489,10 @@ impl RlTask for SearchTask {
     }
 
     fn state(&self) -> serde_json::Value {
-        serde_json::to_value(TaskState {
-            cursor: self.cursor,
-            epoch: self.epoch,
-        })
-        .unwrap_or(serde_json::Value::Null)
+        self.sampler.state().to_json()
     }
 
     fn load_state(&mut self, state: &serde_json::Value) -> Result<(), TaskError> {
-        if state.is_null() {
-            return Ok(());
-        }
-        let s: TaskState = serde_json::from_value(state.clone()).map_err(task_err)?;
-        self.epoch = s.epoch;
-        self.shuffle();
-        self.cursor = s.cursor.min(self.order.len());
-        Ok(())
+        Ok(self.sampler.load_json(state)?)
     }
 }

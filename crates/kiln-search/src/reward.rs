@@ -1,4 +1,6 @@
-//! Rewards: outcome exact match and F1, the process reward, and `R = EM * (1 + r_process)`.
+//! The hybrid reward of Search-R2 (METHODS, Search-R2 "Reward", its "Total"): the outcome exact match
+//! gated by the answer, boosted by the process reward of the searches, `R = EM * (1 + r_process)`
+//! ([`score`]); plus outcome EM / F1 and the process judges it is built from.
 //!
 //! - Outcome: the LAST `<answer>` span of the response ([`crate::answer::extract_answer`]) against any gold alias
 //!   after normalisation; no answer scores 0. For a trajectory only policy segments are searched
@@ -13,8 +15,8 @@
 //!
 //!   An LLM judge plugs in through the same trait; [`judge_prompt`] and [`parse_judge_verdict`] give it a
 //!   prompt and a parser.
-//! - Total: `R = EM * (1 + r_process)` when the process reward is on, else `R = EM` (Search-R1). Every component
-//!   is reported separately in [`RewardBreakdown`].
+//! - Total (the hybrid reward, [`score`]): `R = EM * (1 + r_process)` when the process reward is on, else
+//!   `R = EM` (Search-R1). Every component is reported separately in [`RewardBreakdown`].
 
 use std::collections::{BTreeMap, HashSet};
 

@@ -763,23 +763,10 @@ pub fn generate(config: &WorldConfig) -> Result<World, Error> {
     })
 }
 
-/// Stable 64-bit FNV-1a (cache keys and fingerprints; not a security boundary).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
 /// The cache key of a config: 16 hex digits of FNV-1a over the generator version and the config's JSON.
 pub fn cache_key(config: &WorldConfig) -> String {
     let json = serde_json::to_string(config).unwrap_or_default();
-    format!(
-        "{:016x}",
-        fnv1a(format!("v{GENERATOR_VERSION}:{json}").as_bytes())
-    )
+    kiln_rl::digest::fnv1a_hex(format!("v{GENERATOR_VERSION}:{json}").as_bytes())
 }
 
 /// The cache root: `$KILN_SYNTHETIC_CACHE` if set, else `datasets/cache/synthetic` (relative to the current

@@ -1,5 +1,11 @@
-//! The task registry: what `task:` values exist, their config schemas, and how each trains and
-//! evaluates. Adding a task = one entry here plus its module.
+//! The task table: what `task:` values exist, their recipe schemas, and how `kiln train` /
+//! `kiln eval` hand a validated recipe to the task's own crate.
+//!
+//! A task is one [`CliTask`] impl (its name, its recipe type and schema, the located range checks
+//! of that recipe, and two calls into the task crate's pipeline for train and eval) plus one line
+//! in [`TASKS`]. Everything else here is the binary's part of a run, shared by every task: the
+//! run directory, the device of `backend:`, and [`Run`], the [`kiln_rl::Driver`] that runs
+//! kiln-rl's trainer with the run's trackers, progress bar, resume and printed summary.
 
 pub mod grpo_sequence;
 pub mod sas;
@@ -10,63 +16,133 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use burn::module::Module;
-use kiln_rl::{Trainer, TrainerOptions};
+use burn::tensor::Device;
+use kiln_rl::checkpoint::CheckpointManager;
+use kiln_rl::{RlTask, TaskError, Trained, Trainer, TrainerOptions};
+use schemars::JsonSchema;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::config::CommonConfig;
 use crate::recipe::{RawRecipe, RecipeError, schema_of};
 use crate::run;
 
-/// A registered task.
-pub struct TaskInfo {
+/// One task of the binary: its recipe and how it trains and evaluates.
+pub trait CliTask: Sync {
+    /// The task-specific recipe fields (next to [`CommonConfig`]'s shared ones).
+    type Recipe: DeserializeOwned + Serialize + JsonSchema;
     /// The `task:` value.
-    pub name: &'static str,
-    /// One line.
-    pub summary: &'static str,
-}
-
-/// Every task the binary knows.
-pub const TASKS: &[TaskInfo] = &[
-    TaskInfo {
-        name: "grpo_sequence",
-        summary: "GRPO from random init on a verifiable digit-string transformation (copy / reverse / increment)",
-    },
-    TaskInfo {
-        name: "mdm_sudoku",
-        summary: "pre-train the masked-diffusion Sudoku denoiser (1/t-weighted masked cross-entropy)",
-    },
-    TaskInfo {
-        name: "sas",
-        summary: "SAS: learn the unmasking order of a frozen Sudoku denoiser with GRPO and the self-aware reward",
-    },
-    TaskInfo {
-        name: "search_r2",
-        summary: "Search-R2 / Search-R1: multi-turn search agent (+ meta-refiner) trained with joint GRPO over a BM25 retriever",
-    },
-    TaskInfo {
-        name: "sas_gsm8k",
-        summary: "GSM8K pass@1 of a masked diffusion LM with LLaDA-style decoding",
-    },
-];
-
-/// JSON schemas of the recipe of `task` (common fields + task fields).
-pub fn schemas(task: &str) -> Option<Vec<schemars::Schema>> {
-    let common = schema_of::<CommonConfig>();
-    match task {
-        "grpo_sequence" => Some(vec![common, schema_of::<grpo_sequence::SequenceRecipe>()]),
-        "mdm_sudoku" => Some(vec![common, schema_of::<sas::MdmRecipe>()]),
-        "sas" => Some(vec![common, schema_of::<sas::SasRecipe>()]),
-        "sas_gsm8k" => Some(vec![common, schema_of::<sas::GsmRecipe>()]),
-        "search_r2" => Some(vec![common, schema_of::<search::SearchRecipe>()]),
-        _ => None,
+    fn name(&self) -> &'static str;
+    /// One line for `kiln recipes`.
+    fn summary(&self) -> &'static str;
+    /// Range checks of the task fields, located in the recipe.
+    fn validate(&self, recipe: &Self::Recipe, raw: &RawRecipe) -> Result<(), RecipeError>;
+    /// `kiln train`: run the task's pipeline in `run`'s directory.
+    fn train(&self, recipe: &Self::Recipe, run: &mut Run<'_>) -> anyhow::Result<()>;
+    /// `kiln eval` of a checkpoint of one of this task's runs.
+    fn eval(&self, recipe: &Self::Recipe, at: &EvalAt<'_>)
+    -> anyhow::Result<BTreeMap<String, f64>>;
+    /// A run of this task that has no checkpoints of its own may take its policy from another
+    /// run (a `sas` stage-2 run's `stage2.policy_from`); `None` otherwise.
+    fn policy_from(&self, _recipe: &Self::Recipe) -> Option<PathBuf> {
+        None
     }
 }
 
-/// Resolve the task of `raw` and check its keys; returns the task name.
-pub fn check_task(raw: &RawRecipe) -> Result<&'static str, RecipeError> {
+/// Every task the binary knows, in the order `kiln recipes` lists them.
+pub static TASKS: &[&dyn Task] = &[
+    &grpo_sequence::GrpoSequence,
+    &sas::MdmSudoku,
+    &sas::Sas,
+    &search::SearchR2,
+    &sas::SasGsm8k,
+];
+
+/// A [`CliTask`] seen without its recipe type (what [`TASKS`] holds).
+pub trait Task: Sync {
+    /// The `task:` value.
+    fn name(&self) -> &'static str;
+    /// One line for `kiln recipes`.
+    fn summary(&self) -> &'static str;
+    /// JSON schemas of the recipe (shared fields, task fields).
+    fn schemas(&self) -> Vec<schemars::Schema>;
+    /// Parse and check `raw` completely; the resolved recipe (defaults included) as JSON.
+    fn validate(&self, raw: &RawRecipe) -> Result<serde_json::Value, RecipeError>;
+    /// `kiln train`; returns the run directory.
+    fn train(&self, req: &TrainRequest) -> anyhow::Result<PathBuf>;
+    /// `kiln eval` of checkpoint `ckpt` of the run `run_dir` whose recipe is `raw`.
+    fn eval(
+        &self,
+        raw: &RawRecipe,
+        req: &EvalRequest,
+        ckpt: &Path,
+        run_dir: &Path,
+    ) -> anyhow::Result<BTreeMap<String, f64>>;
+    /// See [`CliTask::policy_from`].
+    fn policy_from(&self, raw: &RawRecipe) -> Result<Option<PathBuf>, RecipeError>;
+}
+
+impl<T: CliTask> Task for T {
+    fn name(&self) -> &'static str {
+        CliTask::name(self)
+    }
+    fn summary(&self) -> &'static str {
+        CliTask::summary(self)
+    }
+    fn schemas(&self) -> Vec<schemars::Schema> {
+        vec![schema_of::<CommonConfig>(), schema_of::<T::Recipe>()]
+    }
+    fn validate(&self, raw: &RawRecipe) -> Result<serde_json::Value, RecipeError> {
+        Ok(load(self, raw)?.resolved)
+    }
+    fn train(&self, req: &TrainRequest) -> anyhow::Result<PathBuf> {
+        let l = load(self, &req.raw)?;
+        let (run_dir, resume) = prepare_run_dir(req, &l.common, &l.resolved)?;
+        let mut run = Run {
+            common: &l.common,
+            resolved: &l.resolved,
+            run_dir: &run_dir,
+            resume,
+        };
+        CliTask::train(self, &l.task, &mut run)?;
+        Ok(run_dir)
+    }
+    fn eval(
+        &self,
+        raw: &RawRecipe,
+        req: &EvalRequest,
+        ckpt: &Path,
+        run_dir: &Path,
+    ) -> anyhow::Result<BTreeMap<String, f64>> {
+        let l = load(self, raw)?;
+        let at = EvalAt {
+            req,
+            common: &l.common,
+            ckpt,
+            run_dir,
+        };
+        CliTask::eval(self, &l.task, &at)
+    }
+    fn policy_from(&self, raw: &RawRecipe) -> Result<Option<PathBuf>, RecipeError> {
+        Ok(CliTask::policy_from(self, &load(self, raw)?.task))
+    }
+}
+
+/// The task named `name`.
+pub fn find(name: &str) -> Option<&'static dyn Task> {
+    TASKS.iter().copied().find(|t| t.name() == name)
+}
+
+/// JSON schemas of the recipe of `task` (common fields + task fields).
+pub fn schemas(task: &str) -> Option<Vec<schemars::Schema>> {
+    find(task).map(|t| t.schemas())
+}
+
+/// Resolve the task of `raw` and check its keys.
+pub fn check_task(raw: &RawRecipe) -> Result<&'static dyn Task, RecipeError> {
     let task = raw.task()?;
-    let Some(info) = TASKS.iter().find(|t| t.name == task) else {
-        let names: Vec<&str> = TASKS.iter().map(|t| t.name).collect();
+    let Some(found) = find(&task) else {
+        let names: Vec<&str> = TASKS.iter().map(|t| t.name()).collect();
         let best = names
             .iter()
             .map(|n| (strsim::jaro_winkler(&task, n), n))
@@ -82,9 +158,8 @@ pub fn check_task(raw: &RawRecipe) -> Result<&'static str, RecipeError> {
             ),
         });
     };
-    let schemas = schemas(info.name).expect("registered task has schemas");
-    raw.check_keys(&schemas)?;
-    Ok(info.name)
+    raw.check_keys(&found.schemas())?;
+    Ok(found)
 }
 
 /// A fully parsed and validated recipe.
@@ -97,16 +172,14 @@ pub struct Loaded<T> {
     pub resolved: serde_json::Value,
 }
 
-fn load_typed<T>(raw: &RawRecipe) -> Result<Loaded<T>, RecipeError>
-where
-    T: serde::de::DeserializeOwned + serde::Serialize,
-{
+fn load<T: CliTask>(task: &T, raw: &RawRecipe) -> Result<Loaded<T::Recipe>, RecipeError> {
     let common: CommonConfig = raw.deserialize()?;
     common.validate(raw)?;
-    let task: T = raw.deserialize()?;
+    let recipe: T::Recipe = raw.deserialize()?;
+    task.validate(&recipe, raw)?;
     let mut resolved = serde_json::to_value(&common).unwrap_or_default();
     if let (Some(obj), Ok(serde_json::Value::Object(t))) =
-        (resolved.as_object_mut(), serde_json::to_value(&task))
+        (resolved.as_object_mut(), serde_json::to_value(&recipe))
     {
         for (k, v) in t {
             obj.insert(k, v);
@@ -114,41 +187,14 @@ where
     }
     Ok(Loaded {
         common,
-        task,
+        task: recipe,
         resolved,
     })
 }
 
 /// Validate a recipe completely without running it (used by `kiln train --dry-run` and tests).
 pub fn validate(raw: &RawRecipe) -> Result<serde_json::Value, RecipeError> {
-    match check_task(raw)? {
-        "grpo_sequence" => {
-            let l = load_typed::<grpo_sequence::SequenceRecipe>(raw)?;
-            l.task.validate(raw)?;
-            Ok(l.resolved)
-        }
-        "mdm_sudoku" => {
-            let l = load_typed::<sas::MdmRecipe>(raw)?;
-            l.task.validate(raw)?;
-            Ok(l.resolved)
-        }
-        "sas" => {
-            let l = load_typed::<sas::SasRecipe>(raw)?;
-            l.task.validate(raw)?;
-            Ok(l.resolved)
-        }
-        "sas_gsm8k" => {
-            let l = load_typed::<sas::GsmRecipe>(raw)?;
-            l.task.validate(raw)?;
-            Ok(l.resolved)
-        }
-        "search_r2" => {
-            let l = load_typed::<search::SearchRecipe>(raw)?;
-            l.task.validate(raw)?;
-            Ok(l.resolved)
-        }
-        other => unreachable!("task {other} registered without a loader"),
-    }
+    check_task(raw)?.validate(raw)
 }
 
 /// How a training run starts.
@@ -163,62 +209,7 @@ pub struct TrainRequest {
 
 /// Train the task of `req`; returns the run directory.
 pub fn train(req: TrainRequest) -> anyhow::Result<PathBuf> {
-    match check_task(&req.raw)? {
-        "grpo_sequence" => {
-            let l = load_typed::<grpo_sequence::SequenceRecipe>(&req.raw)?;
-            l.task.validate(&req.raw)?;
-            let (run_dir, resumed_from) = prepare_run_dir(&req, &l.common, &l.resolved)?;
-            let device = run::device_for(l.common.backend)?;
-            device.seed(l.common.seed);
-            let ad = device.clone().autodiff();
-            let model = grpo_sequence::build_model(&l.task, &ad);
-            tracing::info!(
-                "grpo_sequence: {} parameters, run directory {}",
-                model.num_params(),
-                run_dir.display()
-            );
-            let task = grpo_sequence::SequenceTask::new(l.task.sequence.clone(), ad.clone());
-            drive(
-                task,
-                model,
-                ad,
-                &l.common,
-                &l.resolved,
-                &run_dir,
-                resumed_from,
-            )?;
-            Ok(run_dir)
-        }
-        "mdm_sudoku" => {
-            let l = load_typed::<sas::MdmRecipe>(&req.raw)?;
-            l.task.validate(&req.raw)?;
-            let (run_dir, _) = prepare_run_dir(&req, &l.common, &l.resolved)?;
-            sas::train_mdm(&l.common, &l.task, &l.resolved, &run_dir)?;
-            Ok(run_dir)
-        }
-        "sas" => {
-            let l = load_typed::<sas::SasRecipe>(&req.raw)?;
-            l.task.validate(&req.raw)?;
-            let (run_dir, resumed) = prepare_run_dir(&req, &l.common, &l.resolved)?;
-            sas::train_sas(&l.common, &l.task, &l.resolved, &run_dir, resumed)?;
-            Ok(run_dir)
-        }
-        "sas_gsm8k" => {
-            let l = load_typed::<sas::GsmRecipe>(&req.raw)?;
-            l.task.validate(&req.raw)?;
-            let (run_dir, resumed) = prepare_run_dir(&req, &l.common, &l.resolved)?;
-            sas::run_gsm8k(&l.common, &l.task, &l.resolved, &run_dir, resumed)?;
-            Ok(run_dir)
-        }
-        "search_r2" => {
-            let l = load_typed::<search::SearchRecipe>(&req.raw)?;
-            l.task.validate(&req.raw)?;
-            let (run_dir, resumed) = prepare_run_dir(&req, &l.common, &l.resolved)?;
-            search::train(&l.common, &l.task, &l.resolved, &run_dir, resumed)?;
-            Ok(run_dir)
-        }
-        other => unreachable!("task {other} registered without a trainer"),
-    }
+    check_task(&req.raw)?.train(&req)
 }
 
 fn prepare_run_dir(
@@ -240,86 +231,124 @@ fn prepare_run_dir(
     }
 }
 
-/// Trainer options of a run from its shared recipe fields (with a console progress bar).
-fn trainer_options(common: &CommonConfig, run_dir: &Path) -> TrainerOptions {
-    TrainerOptions {
-        trainer: common.trainer.clone(),
-        algorithm: common.algorithm.clone(),
-        optim: common.optim.clone(),
-        run_dir: run_dir.to_path_buf(),
-        seed: common.seed,
-        progress: Some(run::progress_bar(common.trainer.steps)),
+/// One `kiln train` run as a task's pipeline sees it: the recipe's shared fields, the run
+/// directory, and the trainer driver ([`kiln_rl::Driver`]).
+pub struct Run<'a> {
+    /// Shared recipe fields.
+    pub common: &'a CommonConfig,
+    /// The resolved recipe (for the trackers' run config).
+    pub resolved: &'a serde_json::Value,
+    /// The run directory.
+    pub run_dir: &'a Path,
+    /// Continuing an existing run directory (`--resume`).
+    pub resume: bool,
+}
+
+impl Run<'_> {
+    /// The device of the recipe's `backend:`.
+    pub fn device(&self) -> anyhow::Result<Device> {
+        run::device_for(self.common.backend)
+    }
+
+    /// The experiment trackers of the run (`resume_from_step` when it continues a run).
+    pub fn open_tracker(
+        &self,
+        resume_from_step: Option<u64>,
+    ) -> anyhow::Result<kiln_track::Tracker> {
+        let name = self
+            .run_dir
+            .file_name()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_default();
+        kiln_track::Tracker::open(
+            &self.common.logging,
+            kiln_track::RunInfo {
+                run_dir: self.run_dir,
+                name: &name,
+                config: self.resolved,
+                resume_from_step,
+            },
+        )
+        .context("opening the experiment trackers")
+    }
+
+    /// Run kiln-rl's trainer on `task` from `model` (on the autodiff `device`), resuming the run's
+    /// newest checkpoint with `--resume`, with the run's trackers and progress bar; prints the
+    /// run summary and returns the trained policy.
+    pub fn drive<T: RlTask>(
+        &self,
+        task: T,
+        model: T::Policy,
+        device: Device,
+    ) -> anyhow::Result<Trained<T::Policy>> {
+        let opts = TrainerOptions {
+            trainer: self.common.trainer.clone(),
+            algorithm: self.common.algorithm.clone(),
+            optim: self.common.optim.clone(),
+            run_dir: self.run_dir.to_path_buf(),
+            seed: self.common.seed,
+            progress: Some(run::progress_bar(self.common.trainer.steps)),
+        };
+        let shared = Arc::new(Mutex::new(None));
+        let mut trainer = Trainer::new(
+            task,
+            model,
+            device,
+            opts,
+            Box::new(run::SharedSink(shared.clone())),
+        );
+        let mut from = None;
+        if self.resume {
+            from = trainer
+                .resume()
+                .context("resuming from the newest checkpoint")?;
+            match from {
+                Some(s) => tracing::info!("resumed from checkpoint step-{s}"),
+                None => tracing::warn!(
+                    "no complete checkpoint in {}; starting from step 0",
+                    self.run_dir.display()
+                ),
+            }
+        }
+        let tracker = self.open_tracker(self.resume.then(|| from.unwrap_or(0)))?;
+        *shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tracker);
+        let result = trainer.run();
+        let tracker = shared.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let code = if result.is_ok() { 0 } else { 1 };
+        if let Some(t) = tracker
+            && let Err(e) = t.finish(code)
+        {
+            tracing::warn!("finishing the trackers: {e}");
+        }
+        let summary = result?;
+        print_summary(
+            &summary.last,
+            &summary.eval,
+            summary.steps,
+            summary.wall_s,
+            self.run_dir,
+        );
+        Ok(Trained {
+            policy: trainer.model().clone(),
+            summary,
+        })
     }
 }
 
-/// Run the generic trainer on a task and finish the tracker.
-fn drive<T: kiln_rl::RlTask>(
-    task: T,
-    model: T::Policy,
-    device: burn::tensor::Device,
-    common: &CommonConfig,
-    resolved: &serde_json::Value,
-    run_dir: &Path,
-    resume: bool,
-) -> anyhow::Result<()> {
-    let opts = trainer_options(common, run_dir);
-    let shared = Arc::new(Mutex::new(None));
-    let mut trainer = Trainer::new(
-        task,
-        model,
-        device,
-        opts,
-        Box::new(run::SharedSink(shared.clone())),
-    );
-    let mut from = None;
-    if resume {
-        from = trainer
-            .resume()
-            .context("resuming from the newest checkpoint")?;
-        match from {
-            Some(s) => tracing::info!("resumed from checkpoint step-{s}"),
-            None => tracing::warn!(
-                "no complete checkpoint in {}; starting from step 0",
-                run_dir.display()
-            ),
-        }
+impl kiln_rl::Driver for Run<'_> {
+    fn train<T: RlTask>(
+        &mut self,
+        task: T,
+        policy: T::Policy,
+        device: Device,
+    ) -> Result<Trained<T::Policy>, TaskError> {
+        self.drive(task, policy, device)
+            .map_err(|e| format!("{e:#}").into())
     }
-    let name = run_dir
-        .file_name()
-        .map(|s| s.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tracker = kiln_track::Tracker::open(
-        &common.logging,
-        kiln_track::RunInfo {
-            run_dir,
-            name: &name,
-            config: resolved,
-            resume_from_step: if resume {
-                Some(from.unwrap_or(0))
-            } else {
-                None
-            },
-        },
-    )
-    .context("opening the experiment trackers")?;
-    *shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tracker);
-    let result = trainer.run();
-    let tracker = shared.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let code = if result.is_ok() { 0 } else { 1 };
-    if let Some(t) = tracker
-        && let Err(e) = t.finish(code)
-    {
-        tracing::warn!("finishing the trackers: {e}");
+
+    fn progress_bar(&mut self, len: u64) -> indicatif::ProgressBar {
+        run::progress_bar(len)
     }
-    let summary = result?;
-    print_summary(
-        &summary.last,
-        &summary.eval,
-        summary.steps,
-        summary.wall_s,
-        run_dir,
-    );
-    Ok(())
 }
 
 fn print_summary(
@@ -381,47 +410,60 @@ pub struct EvalRequest {
     pub limit: Option<usize>,
 }
 
+/// A `kiln eval` as a task sees it: the request, the run's shared recipe fields, the checkpoint
+/// and its run directory.
+pub struct EvalAt<'a> {
+    /// The command line.
+    pub req: &'a EvalRequest,
+    /// Shared fields of the run's recipe (with `--set` applied).
+    pub common: &'a CommonConfig,
+    /// The checkpoint directory.
+    pub ckpt: &'a Path,
+    /// The run directory (reports go to `<run>/eval/`).
+    pub run_dir: &'a Path,
+}
+
+impl EvalAt<'_> {
+    /// The device of the recipe's `backend:`.
+    pub fn device(&self) -> anyhow::Result<Device> {
+        run::device_for(self.common.backend)
+    }
+
+    /// A fresh folder `<run>/eval/eval-<UTC time>[-k]/` for this evaluation's reports, so that
+    /// the training run's reports and earlier evaluations are never overwritten.
+    pub fn fresh_eval_dir(&self) -> PathBuf {
+        let stem = format!("eval-{}", chrono::Utc::now().format("%Y%m%dT%H%M%SZ"));
+        let mut out = self.run_dir.join("eval").join(&stem);
+        let mut k = 2;
+        while out.exists() {
+            out = self.run_dir.join("eval").join(format!("{stem}-{k}"));
+            k += 1;
+        }
+        out
+    }
+}
+
 /// Find the checkpoint directory and run directory of `checkpoint`.
 pub fn locate_checkpoint(checkpoint: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let ckpt = if checkpoint.join(kiln_rl::checkpoint::MODEL_FILE).is_file() {
-        checkpoint.to_path_buf()
-    } else {
-        let mgr = kiln_rl::checkpoint::CheckpointManager::new(checkpoint, 1);
-        match mgr.latest() {
-            Some((_, p)) => p,
-            None => anyhow::bail!(
-                "{} is neither a checkpoint directory (with {}) nor a run directory with checkpoints",
-                checkpoint.display(),
-                kiln_rl::checkpoint::MODEL_FILE
-            ),
-        }
-    };
-    let run_dir = ckpt
-        .parent()
-        .and_then(Path::parent)
-        .context("a checkpoint lives in <run dir>/checkpoints/step-N")?
-        .to_path_buf();
+    let ckpt = CheckpointManager::resolve(checkpoint)?;
+    let run_dir = CheckpointManager::run_dir_of(&ckpt)
+        .context("a checkpoint lives in <run dir>/checkpoints/step-N")?;
     Ok((ckpt, run_dir))
 }
 
-/// A `sas` stage-2 run that took its policy from another run (`stage2.policy_from`) has no
-/// checkpoints of its own: its policy checkpoint is the newest one of `policy_from`, and the run
-/// directory (its stage-2 denoiser, its reports) is `dir` itself. None when `dir` is not such a run.
-fn stage2_run_policy(dir: &Path, sets: &[String]) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
+/// A run directory without checkpoints of its own whose task takes its policy from another run
+/// ([`CliTask::policy_from`]): that run's newest checkpoint, and `dir` itself as the run directory.
+/// None when `dir` is not such a run.
+fn policy_elsewhere(dir: &Path, sets: &[String]) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
     let recipe = dir.join(run::RECIPE_FILE);
     if !recipe.is_file() {
         return Ok(None);
     }
     let raw = crate::recipe::load_raw(&recipe, sets)?;
-    if check_task(&raw)? != "sas" {
+    let Some(from) = check_task(&raw)?.policy_from(&raw)? else {
         return Ok(None);
-    }
-    let l = load_typed::<sas::SasRecipe>(&raw)?;
-    let from = &l.task.stage2.policy_from;
-    if !l.task.stage2.enabled || from.as_os_str().is_empty() {
-        return Ok(None);
-    }
-    let (ckpt, _) = locate_checkpoint(from).with_context(|| {
+    };
+    let (ckpt, _) = locate_checkpoint(&from).with_context(|| {
         format!(
             "{} takes its policy from stage2.policy_from = {}",
             dir.display(),
@@ -435,105 +477,9 @@ fn stage2_run_policy(dir: &Path, sets: &[String]) -> anyhow::Result<Option<(Path
 pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
     let (ckpt, run_dir) = match locate_checkpoint(&req.checkpoint) {
         Ok(found) => found,
-        Err(e) => stage2_run_policy(&req.checkpoint, &req.sets)?.ok_or(e)?,
+        Err(e) => policy_elsewhere(&req.checkpoint, &req.sets)?.ok_or(e)?,
     };
     let recipe = run_dir.join(run::RECIPE_FILE);
     let raw = crate::recipe::load_raw(&recipe, &req.sets)?;
-    match check_task(&raw)? {
-        "grpo_sequence" => {
-            if req.data.is_some() || req.task.as_deref().is_some_and(|t| t != "grpo_sequence") {
-                anyhow::bail!(
-                    "grpo_sequence checkpoints are evaluated on their own held-out prompts; \
-                     --task/--data do not apply (use --set sequence.eval_prompts=N)"
-                );
-            }
-            let l = load_typed::<grpo_sequence::SequenceRecipe>(&raw)?;
-            l.task.validate(&raw)?;
-            let device = run::device_for(l.common.backend)?;
-            let model = grpo_sequence::build_model(&l.task, &device);
-            let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
-            let model = model
-                .try_load_file(&mp)
-                .map_err(|e| anyhow::anyhow!("{}: cannot load the model: {e}", mp.display()))?;
-            let mut task = grpo_sequence::SequenceTask::new(l.task.sequence.clone(), device);
-            let step = kiln_rl::checkpoint::CheckpointManager::read_state(&ckpt)
-                .map(|s| s.step)
-                .unwrap_or(0);
-            let m = kiln_rl::RlTask::evaluate(&mut task, &model, step)
-                .map_err(|e| anyhow::anyhow!("evaluation failed: {e}"))?;
-            let out = run_dir.join("eval");
-            std::fs::create_dir_all(&out)?;
-            let report = serde_json::json!({"checkpoint": ckpt, "step": step, "metrics": m});
-            let path = out.join(format!("step-{step}.json"));
-            std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
-            println!("checkpoint {} (step {step})", ckpt.display());
-            println!("{:<20} {:>10}", "metric", "value");
-            for (k, v) in &m {
-                println!("{k:<20} {v:>10.4}");
-            }
-            println!("report: {}", path.display());
-            Ok(m)
-        }
-        "sas" => {
-            let l = load_typed::<sas::SasRecipe>(&raw)?;
-            l.task.validate(&raw)?;
-            match (req.task.as_deref(), req.data.as_deref()) {
-                (None | Some("sudoku") | Some("sas"), Some(data)) => {
-                    sas::eval_sudoku_file(&l.task, &l.common, &ckpt, &run_dir, Path::new(data))?
-                }
-                (None | Some("sudoku") | Some("sas"), None) => {
-                    sas::eval_sas(&l.task, &l.common, &ckpt, &run_dir)?
-                }
-                (Some(other), _) => anyhow::bail!(
-                    "`kiln eval` of a `sas` run supports --task sudoku (with --data PATH for a puzzle \
-                     file); for --task gsm8k evaluate a `sas_gsm8k` run (recipes/sas_gsm8k_llada.yaml); \
-                     `{other}` is not available for it"
-                ),
-            }
-            Ok(BTreeMap::new())
-        }
-        "search_r2" => {
-            let l = load_typed::<search::SearchRecipe>(&raw)?;
-            l.task.validate(&raw)?;
-            match req.task.as_deref() {
-                None | Some("qa") | Some("search_r2") => search::eval_qa(
-                    &l.common,
-                    &l.task,
-                    &ckpt,
-                    &run_dir,
-                    req.data.as_deref(),
-                    req.retriever.as_deref(),
-                    req.mode.as_deref(),
-                    req.limit,
-                )?,
-                Some(other) => anyhow::bail!(
-                    "`kiln eval` of a `search_r2` run supports --task qa; `{other}` does not apply"
-                ),
-            }
-            Ok(BTreeMap::new())
-        }
-        "sas_gsm8k" => {
-            let l = load_typed::<sas::GsmRecipe>(&raw)?;
-            l.task.validate(&raw)?;
-            match req.task.as_deref() {
-                None | Some("gsm8k") | Some("sas_gsm8k") => sas::eval_gsm8k(
-                    &l.task,
-                    &l.common,
-                    &ckpt,
-                    &run_dir,
-                    req.data.as_deref().map(Path::new),
-                )?,
-                Some(other) => anyhow::bail!(
-                    "`kiln eval` of a `sas_gsm8k` run supports --task gsm8k (with --data PATH); \
-                     `{other}` is not available for it"
-                ),
-            }
-            Ok(BTreeMap::new())
-        }
-        "mdm_sudoku" => anyhow::bail!(
-            "`kiln eval` evaluates `sas` runs (their order policy checkpoints); `mdm_sudoku` \
-             saves a denoiser, evaluate it through a `sas` run"
-        ),
-        other => unreachable!("task {other} registered without an evaluator"),
-    }
+    check_task(&raw)?.eval(&raw, &req, &ckpt, &run_dir)
 }

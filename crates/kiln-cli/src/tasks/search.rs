@@ -1,650 +1,138 @@
-//! `task: search_r2`: Search-R2 / Search-R1 joint GRPO (METHODS.md section 1) and `kiln eval --task qa`.
-//!
-//! The chain of `kiln train recipes/search_r2.yaml` on a fresh machine:
-//! 1. the synthetic multi-hop world (cached under `datasets/cache/synthetic/`) and a tantivy BM25 index of its
-//!    corpus (cached beside it), unless the recipe names its own data and retriever;
-//! 2. the policy: a pre-trained model (`pretrained:`, an HF folder, a GGUF file or a zoo name), or the tiny
-//!    transformer of `model:` warm-started by supervised training on scripted demonstrations into `init_dir`
-//!    (reused when present, so Search-R1 and Search-R2 runs start from the same weights);
-//! 3. joint GRPO through kiln-rl; 4. a held-out evaluation table (direct / RAG / agent).
+//! `task: search_r2`: the Search-R2 / Search-R1 recipe (types in [`kiln_search::pipeline`]) with
+//! its located range checks, and the calls into kiln-search's pipeline for `kiln train` and
+//! `kiln eval --task qa`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use anyhow::{Context, bail};
-use burn::module::Module;
-use burn::tensor::Device;
-use kiln_lm::{Tokenizer, Transformer, TransformerConfig};
-use kiln_search::agent::RetrieverBackend;
-use kiln_search::data::{LoadOptions, QaExample, load_qa, resolve_dataset};
-use kiln_search::eval::{EvalMode, QaRecord, write_report};
-use kiln_search::grpo::{SearchTask, SearchTaskConfig};
-use kiln_search::protocol::PromptTemplate;
-use kiln_search::synthetic::{Split, World, WorldConfig, default_cache_root, load_or_generate};
-use kiln_search::warmstart::{WarmStartConfig, warm_start};
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use kiln_lm::TransformerConfig;
+use kiln_search::eval::EvalMode;
+use kiln_search::pipeline::{self, SearchRecipe};
 
-use crate::config::CommonConfig;
+use super::{CliTask, EvalAt, Run};
 use crate::recipe::{RawRecipe, RecipeError};
 
-/// The task-specific part of a `search_r2` recipe.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(default)]
-pub struct SearchRecipe {
-    /// A pre-trained policy: HF folder, GGUF file or zoo name (e.g. `smollm2` after `just setup`). Empty: the
-    /// tiny `model` trained from random initialisation with the warm start into `init_dir`.
-    pub pretrained: String,
-    /// The LLM judge of the process reward when `search.judge: llm` (HF folder, GGUF or zoo name; empty = the
-    /// policy itself, same weights).
-    pub judge_model: String,
-    /// Wrap the agent prompt in the tokenizer's chat template (instruct models).
-    pub chat_template: bool,
-    /// Where the warm-started policy lives (created when absent; shared by Search-R1 and Search-R2 runs).
-    pub init_dir: PathBuf,
-    /// Architecture of the from-scratch policy (its `vocab_size` is set from the trained tokenizer).
-    pub model: TransformerConfig,
-    /// Supervised warm start on scripted demonstrations (from-scratch policy only).
-    pub warm_start: WarmStartConfig,
-    /// The synthetic multi-hop world (used when `train_data`, `eval_data` or `retriever` say `synthetic`).
-    pub world: WorldConfig,
-    /// Training questions: `synthetic` (the world's train split) or a dataset name / JSONL path.
-    pub train_data: String,
-    /// Held-out questions for the periodic and final evaluation: `synthetic` (the world's test split; `dev`
-    /// during training) or a dataset name / path.
-    pub eval_data: String,
-    /// Search engine: `synthetic` (a BM25 index of the world's corpus, built on first use), a kiln index
-    /// directory (`kiln index`), or the URL of a `kiln serve-retriever` / Search-R1 retrieval server.
-    pub retriever: String,
-    /// Root of the shared datasets (for dataset names).
-    pub datasets_root: PathBuf,
-    /// GRPO rollouts: questions per step, group size, protocol, refiner, reward, sampling.
-    pub search: SearchTaskConfig,
-    /// Final evaluation after training: modes and number of held-out questions (0 = skip).
-    pub final_eval: FinalEval,
-}
-
-/// The evaluation table printed at the end of training.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
-#[serde(default, deny_unknown_fields)]
-pub struct FinalEval {
-    /// Held-out questions (0 = no final evaluation). Default 200.
-    pub questions: usize,
-    /// Modes: any of `direct`, `rag`, `agent`.
-    pub modes: Vec<String>,
-    /// Bootstrap resamples of the confidence intervals. Default 2000.
-    pub resamples: usize,
-}
-
-impl Default for FinalEval {
-    fn default() -> Self {
-        FinalEval {
-            questions: 200,
-            modes: vec!["direct".into(), "rag".into(), "agent".into()],
-            resamples: 2000,
-        }
-    }
-}
-
-impl Default for SearchRecipe {
-    fn default() -> Self {
-        SearchRecipe {
-            pretrained: String::new(),
-            judge_model: String::new(),
-            chat_template: false,
-            init_dir: PathBuf::from("runs/search/warm-start"),
-            model: TransformerConfig {
-                vocab_size: 2048,
-                hidden_size: 128,
-                intermediate_size: 384,
-                num_hidden_layers: 4,
-                num_attention_heads: 4,
-                num_key_value_heads: Some(4),
-                max_position_embeddings: 1024,
-                tie_word_embeddings: true,
-                ..TransformerConfig::default()
-            },
-            warm_start: WarmStartConfig::default(),
-            world: WorldConfig::default(),
-            train_data: "synthetic".into(),
-            eval_data: "synthetic".into(),
-            retriever: "synthetic".into(),
-            datasets_root: PathBuf::from("../shared/datasets"),
-            search: SearchTaskConfig::default(),
-            final_eval: FinalEval::default(),
-        }
-    }
-}
-
-impl SearchRecipe {
-    /// Range checks, located in the recipe.
-    pub fn validate(&self, raw: &RawRecipe) -> Result<(), RecipeError> {
-        let bad = |path: &str, msg: String| RecipeError::Invalid {
-            at: raw.origin(path),
-            path: path.to_string(),
-            msg,
-        };
-        if self.search.questions_per_step == 0 {
-            return Err(bad(
-                "search.questions_per_step",
-                "search.questions_per_step must be at least 1".into(),
-            ));
-        }
-        if self.search.batch.group_size < 2 {
-            return Err(bad(
-                "search.batch.group_size",
-                "search.batch.group_size must be at least 2 (GRPO needs a group to compare)".into(),
-            ));
-        }
-        if self.search.batch.protocol.max_turns == 0 {
-            return Err(bad(
-                "search.batch.protocol.max_turns",
-                "search.batch.protocol.max_turns must be at least 1".into(),
-            ));
-        }
-        if self.search.batch.protocol.top_k == 0 {
-            return Err(bad(
-                "search.batch.protocol.top_k",
-                "search.batch.protocol.top_k must be at least 1".into(),
-            ));
-        }
-        if self.search.sampling.max_new_tokens == 0 {
-            return Err(bad(
-                "search.sampling.max_new_tokens",
-                "search.sampling.max_new_tokens must be at least 1".into(),
-            ));
-        }
-        if self.search.max_batch == 0 {
-            return Err(bad(
-                "search.max_batch",
-                "search.max_batch must be at least 1".into(),
-            ));
-        }
-        if !(self.search.batch.refiner.margin.is_finite()) {
-            return Err(bad(
-                "search.batch.refiner.margin",
-                "search.batch.refiner.margin must be a finite number".into(),
-            ));
-        }
-        for m in &self.final_eval.modes {
-            if m.parse::<EvalMode>().is_err() {
-                return Err(bad(
-                    "final_eval.modes",
-                    format!("unknown mode `{m}`; use direct, rag or agent"),
-                ));
-            }
-        }
-        if self.pretrained.is_empty() {
-            if self.warm_start.steps == 0 || self.warm_start.batch_size == 0 {
-                return Err(bad(
-                    "warm_start",
-                    "warm_start.steps and warm_start.batch_size must be at least 1".into(),
-                ));
-            }
-            if self.warm_start.vocab_size < 300 {
-                return Err(bad(
-                    "warm_start.vocab_size",
-                    "warm_start.vocab_size must be at least 300 (256 bytes + merges + tags)".into(),
-                ));
-            }
-            if let Err(e) = (TransformerConfig {
-                vocab_size: self.warm_start.vocab_size,
-                ..self.model.clone()
-            })
-            .validate()
-            {
-                return Err(bad("model", format!("model: {e}")));
-            }
-        }
-        self.world
-            .validate()
-            .map_err(|e| bad("world", e.to_string()))?;
-        Ok(())
-    }
-
-    fn uses_world(&self) -> bool {
-        [&self.train_data, &self.eval_data, &self.retriever]
-            .iter()
-            .any(|s| s.as_str() == "synthetic")
-    }
-}
-
-/// Everything a run needs besides the model.
-pub struct Env {
-    /// The world, when used.
-    pub world: Option<World>,
-    /// The search engine.
-    pub search: RetrieverBackend,
-    /// Training questions.
-    pub train: Vec<QaExample>,
-    /// Held-out questions used during training.
-    pub dev: Vec<QaExample>,
-    /// Held-out questions of the final table.
-    pub test: Vec<QaExample>,
-}
-
-/// Opens (building on first use) the BM25 index of the world's corpus in `<world dir>/index`.
-fn world_index(world_dir: &Path) -> anyhow::Result<kiln_retrieval::IndexRetriever> {
-    let index = world_dir.join("index");
-    if let Ok(r) = kiln_retrieval::IndexRetriever::open(&index) {
-        return Ok(r);
-    }
-    let corpus = world_dir.join("corpus.jsonl");
-    kiln_retrieval::build_index(
-        std::slice::from_ref(&corpus),
-        &index,
-        &kiln_retrieval::BuildOptions::default(),
-    )
-    .with_context(|| format!("indexing {}", corpus.display()))?;
-    kiln_retrieval::IndexRetriever::open(&index)
-        .with_context(|| format!("opening {}", index.display()))
-}
-
-/// Opens a retriever from a recipe / CLI string (`synthetic` needs `world_dir`).
-pub fn open_retriever(spec: &str, world_dir: Option<&Path>) -> anyhow::Result<RetrieverBackend> {
-    let r: Arc<dyn kiln_retrieval::Retriever> = if spec == "synthetic" {
-        let dir = world_dir.context("the synthetic retriever needs the synthetic world")?;
-        Arc::new(world_index(dir)?)
-    } else if spec.starts_with("http://") || spec.starts_with("https://") {
-        Arc::new(
-            kiln_retrieval::RemoteRetriever::new(spec, kiln_retrieval::RemoteOptions::default())
-                .with_context(|| format!("retriever {spec}"))?,
-        )
-    } else {
-        Arc::new(
-            kiln_retrieval::IndexRetriever::open(Path::new(spec)).with_context(|| {
-                format!("opening the index {spec} (build one with `kiln index`)")
-            })?,
-        )
+/// Range checks of a `search_r2` recipe's task fields, located in the recipe.
+fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeError> {
+    let bad = |path: &str, msg: String| RecipeError::Invalid {
+        at: raw.origin(path),
+        path: path.to_string(),
+        msg,
     };
-    Ok(RetrieverBackend(r))
-}
-
-fn load_set(spec: &str, root: &Path, limit: Option<usize>) -> anyhow::Result<Vec<QaExample>> {
-    let path = resolve_dataset(spec, root)?;
-    let l = load_qa(
-        &path,
-        &LoadOptions {
-            strict: false,
-            limit,
-        },
-    )?;
-    if l.skipped > 0 {
-        tracing::warn!("{}: skipped {} bad lines", path.display(), l.skipped);
+    if r.search.questions_per_step == 0 {
+        return Err(bad(
+            "search.questions_per_step",
+            "search.questions_per_step must be at least 1".into(),
+        ));
     }
-    Ok(l.examples)
-}
-
-/// Builds the environment of a recipe.
-pub fn env(r: &SearchRecipe) -> anyhow::Result<Env> {
-    let (world, dir) = if r.uses_world() {
-        let (w, d) = load_or_generate(&r.world, &default_cache_root())?;
-        (Some(w), Some(d))
-    } else {
-        (None, None)
-    };
-    let search = open_retriever(&r.retriever, dir.as_deref())?;
-    let split = |s: Split| world.as_ref().map(|w| w.examples(s)).unwrap_or_default();
-    let train = if r.train_data == "synthetic" {
-        split(Split::Train)
-    } else {
-        load_set(&r.train_data, &r.datasets_root, None)?
-    };
-    let (dev, test) = if r.eval_data == "synthetic" {
-        (split(Split::Dev), split(Split::Test))
-    } else {
-        let all = load_set(&r.eval_data, &r.datasets_root, None)?;
-        (all.clone(), all)
-    };
-    Ok(Env {
-        world,
-        search,
-        train,
-        dev,
-        test,
-    })
-}
-
-/// The agent prompt template (chat-wrapped when asked).
-fn agent_template(r: &SearchRecipe, tok: &Tokenizer) -> PromptTemplate {
-    let base = PromptTemplate::search_r1();
-    if r.chat_template {
-        PromptTemplate(tok.apply_chat_template(&[kiln_lm::ChatMessage::user(base.0.clone())], true))
-    } else {
-        base
+    if r.search.batch.group_size < 2 {
+        return Err(bad(
+            "search.batch.group_size",
+            "search.batch.group_size must be at least 2 (GRPO needs a group to compare)".into(),
+        ));
     }
-}
-
-/// Loads the policy (pre-trained, or the warm start, creating it when absent) on `device`.
-pub fn load_policy(
-    r: &SearchRecipe,
-    env: &Env,
-    device: &Device,
-    seed: u64,
-) -> anyhow::Result<(Transformer, Tokenizer)> {
-    if !r.pretrained.is_empty() {
-        return kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
-            .with_context(|| format!("loading the pre-trained policy {}", r.pretrained));
+    if r.search.batch.protocol.max_turns == 0 {
+        return Err(bad(
+            "search.batch.protocol.max_turns",
+            "search.batch.protocol.max_turns must be at least 1".into(),
+        ));
     }
-    let dir = &r.init_dir;
-    let key_path = dir.join("warm_start.key");
-    let key = warm_start_key(r, env, seed);
-    if !dir.join("config.json").is_file() {
-        let world = env.world.as_ref().context(
-            "the warm start needs the synthetic world: set train_data: synthetic (or give `pretrained:`)",
-        )?;
-        tracing::info!(
-            "warm start: training a tokenizer and a {}-layer transformer on scripted demonstrations -> {}",
-            r.model.num_hidden_layers,
-            dir.display()
-        );
-        let pb = crate::run::progress_bar(r.warm_start.steps as u64);
-        pb.set_message("warm start");
-        let ad = device.clone().autodiff();
-        let report = warm_start(
-            world,
-            &r.warm_start,
-            &r.model,
-            &r.search.batch.protocol,
-            &env.search,
-            dir,
-            &ad,
-            seed,
-            |step, loss| {
-                pb.set_message(format!("warm start loss {loss:.3}"));
-                pb.inc(1);
-                if step % 50 == 0 {
-                    tracing::info!("warm start step {step}: loss {loss:.3}");
-                }
-            },
-        )?;
-        pb.finish_and_clear();
-        tracing::info!(
-            "warm start done in {:.0}s: {} parameters, demonstrations {:?}, loss {:.3} -> {:.3}",
-            report.seconds,
-            report.parameters,
-            report.examples,
-            report.loss_first,
-            report.loss_last
-        );
-        std::fs::write(&key_path, &key)
-            .with_context(|| format!("writing {}", key_path.display()))?;
-    } else {
-        match std::fs::read_to_string(&key_path) {
-            Ok(found) if found.trim() != key => bail!(
-                "{} was warm-started with other settings (world, warm_start, model, protocol or seed differ from \
-                 this recipe): delete that folder to warm-start again, or set `init_dir:` to a new folder",
-                dir.display()
-            ),
-            Ok(_) => tracing::info!("using the warm-started policy in {}", dir.display()),
-            Err(_) => tracing::info!(
-                "using the policy in {} (not made by kiln's warm start: no warm_start.key)",
-                dir.display()
-            ),
+    if r.search.batch.protocol.top_k == 0 {
+        return Err(bad(
+            "search.batch.protocol.top_k",
+            "search.batch.protocol.top_k must be at least 1".into(),
+        ));
+    }
+    if r.search.sampling.max_new_tokens == 0 {
+        return Err(bad(
+            "search.sampling.max_new_tokens",
+            "search.sampling.max_new_tokens must be at least 1".into(),
+        ));
+    }
+    if r.search.max_batch == 0 {
+        return Err(bad(
+            "search.max_batch",
+            "search.max_batch must be at least 1".into(),
+        ));
+    }
+    if !(r.search.batch.refiner.margin.is_finite()) {
+        return Err(bad(
+            "search.batch.refiner.margin",
+            "search.batch.refiner.margin must be a finite number".into(),
+        ));
+    }
+    for m in &r.final_eval.modes {
+        if m.parse::<EvalMode>().is_err() {
+            return Err(bad(
+                "final_eval.modes",
+                format!("unknown mode `{m}`; use direct, rag or agent"),
+            ));
         }
     }
-    let tok = Tokenizer::from_hf_dir(dir)
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let model = kiln_lm::load_hf_dir(dir, device)
-        .with_context(|| format!("loading the policy of {}", dir.display()))?;
-    Ok((model, tok))
-}
-
-/// What a warm start depends on (the world, its settings, the architecture, the protocol and the seed), as a
-/// stable hex digest: a warm-start folder made under other settings is never silently reused.
-fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
-    let world = env
-        .world
-        .as_ref()
-        .map(|w| kiln_search::synthetic::cache_key(&w.config))
-        .unwrap_or_default();
-    let text = serde_json::to_string(&(
-        world,
-        &r.warm_start,
-        &r.model,
-        &r.search.batch.protocol,
-        seed,
-    ))
-    .unwrap_or_default();
-    format!("{:016x}", kiln_search::synthetic::fnv1a(text.as_bytes()))
-}
-
-/// `kiln train` of a `search_r2` recipe.
-pub fn train(
-    common: &CommonConfig,
-    r: &SearchRecipe,
-    resolved: &serde_json::Value,
-    run_dir: &Path,
-    resumed: bool,
-) -> anyhow::Result<()> {
-    let device = crate::run::device_for(common.backend)?;
-    device.seed(common.seed);
-    let env = env(r)?;
-    if env.train.is_empty() {
-        bail!("no training questions (train_data: {})", r.train_data);
-    }
-    let ad = device.clone().autodiff();
-    let (model, tok) = load_policy(r, &env, &ad, common.seed)?;
-    tracing::info!(
-        "search_r2: policy {} parameters, {} training questions, refiner {}, process reward {}",
-        model.num_params(),
-        env.train.len(),
-        if r.search.batch.refiner.enabled {
-            "on"
-        } else {
-            "off"
-        },
-        if r.search.batch.reward.process {
-            "on"
-        } else {
-            "off"
+    if r.pretrained.is_empty() {
+        if r.warm_start.steps == 0 || r.warm_start.batch_size == 0 {
+            return Err(bad(
+                "warm_start",
+                "warm_start.steps and warm_start.batch_size must be at least 1".into(),
+            ));
         }
-    );
-    let template = agent_template(r, &tok);
-    let mut task = SearchTask::new(
-        r.search.clone(),
-        tok.clone(),
-        template,
-        env.search.clone(),
-        env.train.clone(),
-        env.dev.clone(),
-        common.seed,
-    )?;
-    if !r.judge_model.is_empty() {
-        let (jm, jt) = kiln_lm::zoo::load_with_tokenizer(&r.judge_model, &device)
-            .with_context(|| format!("loading the judge model {}", r.judge_model))?;
-        task = task.with_judge_model(jm, jt);
+        if r.warm_start.vocab_size < 300 {
+            return Err(bad(
+                "warm_start.vocab_size",
+                "warm_start.vocab_size must be at least 300 (256 bytes + merges + tags)".into(),
+            ));
+        }
+        if let Err(e) = (TransformerConfig {
+            vocab_size: r.warm_start.vocab_size,
+            ..r.model.clone()
+        })
+        .validate()
+        {
+            return Err(bad("model", format!("model: {e}")));
+        }
     }
-    super::drive(task, model, ad, common, resolved, run_dir, resumed)?;
-    if r.final_eval.questions > 0 {
-        let (ckpt, _) = super::locate_checkpoint(run_dir)?;
-        let n = r.final_eval.questions.min(env.test.len());
-        let modes: Vec<EvalMode> = r
-            .final_eval
-            .modes
-            .iter()
-            .filter_map(|m| m.parse().ok())
-            .collect();
-        eval_checkpoint(
-            common,
-            r,
-            &ckpt,
-            run_dir,
-            &[("heldout".to_string(), env.test[..n].to_vec())],
-            &env.search,
-            &modes,
-            r.final_eval.resamples,
-        )?;
-    }
+    r.world
+        .validate()
+        .map_err(|e| bad("world", e.to_string()))?;
     Ok(())
 }
 
-/// Evaluates a checkpoint on `sets` in `modes`; writes `<run>/eval/qa-step-N/` and prints the table.
-#[allow(clippy::too_many_arguments)]
-pub fn eval_checkpoint(
-    common: &CommonConfig,
-    r: &SearchRecipe,
-    ckpt: &Path,
-    run_dir: &Path,
-    sets: &[(String, Vec<QaExample>)],
-    search: &RetrieverBackend,
-    modes: &[EvalMode],
-    resamples: usize,
-) -> anyhow::Result<Vec<QaRecord>> {
-    let device = crate::run::device_for(common.backend)?;
-    let (model, tok) = if r.pretrained.is_empty() {
-        let tok = Tokenizer::from_hf_dir(&r.init_dir)
-            .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
-        let model = kiln_lm::load_hf_dir(&r.init_dir, &device)
-            .with_context(|| format!("loading {}", r.init_dir.display()))?;
-        (model, tok)
-    } else {
-        kiln_lm::zoo::load_with_tokenizer(&r.pretrained, &device)?
-    };
-    let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
-    let model = if mp.is_file() {
-        model
-            .try_load_file(&mp)
-            .map_err(|e| anyhow::anyhow!("{}: cannot load the model: {e}", mp.display()))?
-    } else {
-        model
-    };
-    let step = kiln_rl::checkpoint::CheckpointManager::read_state(ckpt)
-        .map(|s| s.step)
-        .unwrap_or(0);
-    let task = SearchTask::new(
-        r.search.clone(),
-        tok.clone(),
-        agent_template(r, &tok),
-        search.clone(),
-        vec![QaExample {
-            id: "unused".into(),
-            question: "unused".into(),
-            golden_answers: vec!["unused".into()],
-            data_source: "unused".into(),
-            supporting_passage_ids: vec![],
-            supporting_titles: vec![],
-            kind: None,
-        }],
-        Vec::new(),
-        common.seed,
-    )?;
-    let mut records = Vec::new();
-    let mut timing = BTreeMap::new();
-    for (name, examples) in sets {
-        for &mode in modes {
-            let t = std::time::Instant::now();
-            let (recs, stats) = task.evaluate_examples(
-                &model,
-                name,
-                examples,
-                mode,
-                r.search.sampling.max_new_tokens,
-            )?;
-            timing.insert(
-                format!("{name}/{}", mode.name()),
-                serde_json::json!({"seconds": t.elapsed().as_secs_f64(), "rollout": stats}),
-            );
-            records.extend(recs);
-        }
-    }
-    // The final table of a training run goes to qa-step-N; `kiln eval` reports are named after their data.
-    let names: Vec<&str> = sets.iter().map(|(n, _)| n.as_str()).collect();
-    let label = if names == ["heldout"] {
-        String::new()
-    } else {
-        format!("-{}", names.join("+"))
-    };
-    let dir = run_dir.join("eval").join(format!("qa-step-{step}{label}"));
-    let (summaries, files) = write_report(
-        &dir,
-        &format!("QA evaluation of {} (step {step})", ckpt.display()),
-        &records,
-        resamples,
-        common.seed,
-    )?;
-    std::fs::write(dir.join("timing.json"), serde_json::to_vec_pretty(&timing)?)?;
-    println!("\n{}", kiln_search::eval::markdown_table(&summaries));
-    println!("report: {}", files.markdown.display());
-    Ok(records)
-}
+/// `task: search_r2`.
+pub struct SearchR2;
 
-/// `kiln eval RUN --task qa --data NAME_OR_PATH [--retriever INDEX_OR_URL] [--mode M]`.
-#[allow(clippy::too_many_arguments)]
-pub fn eval_qa(
-    common: &CommonConfig,
-    r: &SearchRecipe,
-    ckpt: &Path,
-    run_dir: &Path,
-    data: Option<&str>,
-    retriever: Option<&str>,
-    mode: Option<&str>,
-    limit: Option<usize>,
-) -> anyhow::Result<()> {
-    let mut rr = r.clone();
-    if let Some(x) = retriever {
-        rr.retriever = x.to_string();
+impl CliTask for SearchR2 {
+    type Recipe = SearchRecipe;
+    fn name(&self) -> &'static str {
+        "search_r2"
     }
-    let data = data.unwrap_or("synthetic");
-    let sets: Vec<(String, Vec<QaExample>)> = if data == "synthetic" || data == "synthetic:test" {
-        rr.eval_data = "synthetic".into();
-        let e = env(&rr)?;
-        let mut t = e.test;
-        if let Some(n) = limit {
-            t.truncate(n);
+    fn summary(&self) -> &'static str {
+        "Search-R2 / Search-R1: multi-turn search agent (+ meta-refiner) trained with joint GRPO over a BM25 retriever"
+    }
+    fn validate(&self, r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeError> {
+        validate_search_r2(r, raw)
+    }
+    fn train(&self, r: &SearchRecipe, run: &mut Run<'_>) -> anyhow::Result<()> {
+        let device = run.device()?;
+        let (seed, run_dir) = (run.common.seed, run.run_dir);
+        Ok(pipeline::train(r, &device, seed, run_dir, run)?)
+    }
+    fn eval(&self, r: &SearchRecipe, at: &EvalAt<'_>) -> anyhow::Result<BTreeMap<String, f64>> {
+        let q = at.req;
+        match q.task.as_deref() {
+            None | Some("qa") | Some("search_r2") => pipeline::eval_qa(
+                r,
+                &at.device()?,
+                at.common.seed,
+                at.ckpt,
+                at.run_dir,
+                q.data.as_deref(),
+                q.retriever.as_deref(),
+                q.mode.as_deref(),
+                q.limit,
+            )?,
+            Some(other) => anyhow::bail!(
+                "`kiln eval` of a `search_r2` run supports --task qa; `{other}` does not apply"
+            ),
         }
-        let search = e.search;
-        let modes = parse_modes(mode)?;
-        eval_checkpoint(
-            common,
-            &rr,
-            ckpt,
-            run_dir,
-            &[("synthetic-test".into(), t)],
-            &search,
-            &modes,
-            r.final_eval.resamples,
-        )?;
-        return Ok(());
-    } else {
-        data.split(',')
-            .map(|d| {
-                let ex = load_set(d.trim(), &rr.datasets_root, limit)?;
-                let name = Path::new(d.trim())
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().to_string())
-                    .unwrap_or_else(|| d.to_string());
-                Ok((name, ex))
-            })
-            .collect::<anyhow::Result<_>>()?
-    };
-    let world_dir = if rr.retriever == "synthetic" {
-        Some(load_or_generate(&rr.world, &default_cache_root())?.1)
-    } else {
-        None
-    };
-    let search = open_retriever(&rr.retriever, world_dir.as_deref())?;
-    let modes = parse_modes(mode)?;
-    eval_checkpoint(
-        common,
-        &rr,
-        ckpt,
-        run_dir,
-        &sets,
-        &search,
-        &modes,
-        r.final_eval.resamples,
-    )?;
-    Ok(())
-}
-
-fn parse_modes(mode: Option<&str>) -> anyhow::Result<Vec<EvalMode>> {
-    match mode {
-        None | Some("all") => Ok(vec![EvalMode::Direct, EvalMode::Rag, EvalMode::Agent]),
-        Some(m) => m
-            .split(',')
-            .map(|x| x.trim().parse::<EvalMode>().map_err(anyhow::Error::from))
-            .collect(),
+        Ok(BTreeMap::new())
     }
 }

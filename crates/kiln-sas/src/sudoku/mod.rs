@@ -1,4 +1,4 @@
-//! Sudoku for the SAS experiments (METHODS.md section 2).
+//! Sudoku for the SAS experiments (METHODS, SAS).
 //!
 //! - [`Board`] / [`Shape`]: 4x4 (2x2 boxes) and 9x9 (3x3 boxes) boards, parsing with clear errors;
 //! - [`solve`]: bitmask solver with propagation and MRV search, counting solutions up to 2;
@@ -7,13 +7,17 @@
 //! - [`generate`] / [`load_or_generate`]: seeded generator of unique-solution puzzles, cached
 //!   as JSONL under `datasets/cache/sudoku/`;
 //! - [`load_file`]: loaders for 81-char lines, JSONL with solutions and the 4x4 CSV;
-//! - [`tokens`]: the token encoding for the denoiser and Kendall tau between orders.
+//! - [`tokens`]: the token encoding for the denoiser and Kendall tau between orders;
+//! - [`PuzzleSetConfig`]: a recipe's generated puzzle sets; [`Symmetry`]: the board symmetries
+//!   that augment denoiser training.
 
 mod board;
 mod dataset;
 mod expert;
 mod generator;
+mod sets;
 mod solver;
+mod symmetry;
 pub mod tokens;
 
 pub use board::{Board, BoardError, Shape, UnitKind};
@@ -29,6 +33,8 @@ pub use generator::{
     CACHE_DIR_ENV, GENERATOR_VERSION, GenParams, GenerateError, cache_path, default_cache_dir,
     generate, generate_one, load_or_generate, load_or_generate_in,
 };
+pub use sets::{PuzzleSetConfig, check_puzzle_set};
 pub use solver::{
     Solution, count_solutions, has_unique_solution, random_solution, solve, solve_with_limit,
 };
+pub use symmetry::Symmetry;

@@ -1,0 +1,580 @@
+//! The Search-R2 / Search-R1 pipeline of `kiln train` and `kiln eval` for a `search_r2` recipe
+//! (METHODS, Search-R2: an actor and a meta-refiner with the same weights, joint GRPO).
+//!
+//! The chain on a fresh machine:
+//! 1. the environment ([`env`]): the synthetic multi-hop world (cached under
+//!    `datasets/cache/synthetic/`) and a tantivy BM25 index of its corpus (cached beside it), unless
+//!    the recipe names its own data and retriever ([`open_retriever`]);
+//! 2. the policy ([`load_policy`]): a pre-trained model (`pretrained:`, an HF folder, a GGUF file or
+//!    a zoo name), or the tiny transformer of `model:` warm-started by supervised training on
+//!    scripted demonstrations into `init_dir` (reused when present, so Search-R1 and Search-R2
+//!    runs start from the same weights);
+//! 3. joint GRPO through kiln-rl ([`crate::grpo::SearchTask`], run by the binary's
+//!    [`kiln_rl::Driver`]); 4. a held-out evaluation table, direct / RAG / agent
+//!    ([`eval_checkpoint`]), which `kiln eval --task qa` also runs ([`eval_qa`]).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use kiln_lm::{Tokenizer, Transformer, TransformerConfig};
+use kiln_rl::{Context, Driver, PipelineError};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::agent::RetrieverBackend;
+use crate::data::{LoadOptions, QaExample, load_qa, resolve_dataset};
+use crate::eval::{EvalMode, QaRecord, write_report};
+use crate::grpo::{SearchTask, SearchTaskConfig, evaluate_examples};
+use crate::protocol::PromptTemplate;
+use crate::synthetic::{Split, World, WorldConfig, default_cache_root, load_or_generate};
+use crate::warmstart::{WarmStartConfig, warm_start};
+
+type Result<T> = std::result::Result<T, PipelineError>;
+
+/// The task-specific part of a `search_r2` recipe.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct SearchRecipe {
+    /// A pre-trained policy: HF folder, GGUF file or zoo name (e.g. `smollm2` after `just setup`). Empty: the
+    /// tiny `model` trained from random initialisation with the warm start into `init_dir`.
+    pub pretrained: String,
+    /// The LLM judge of the process reward when `search.judge: llm` (HF folder, GGUF or zoo name; empty = the
+    /// policy itself, same weights).
+    pub judge_model: String,
+    /// Wrap the agent prompt in the tokenizer's chat template (instruct models).
+    pub chat_template: bool,
+    /// Where the warm-started policy lives (created when absent; shared by Search-R1 and Search-R2 runs).
+    pub init_dir: PathBuf,
+    /// Architecture of the from-scratch policy (its `vocab_size` is set from the trained tokenizer).
+    pub model: TransformerConfig,
+    /// Supervised warm start on scripted demonstrations (from-scratch policy only).
+    pub warm_start: WarmStartConfig,
+    /// The synthetic multi-hop world (used when `train_data`, `eval_data` or `retriever` say `synthetic`).
+    pub world: WorldConfig,
+    /// Training questions: `synthetic` (the world's train split) or a dataset name / JSONL path.
+    pub train_data: String,
+    /// Held-out questions for the periodic and final evaluation: `synthetic` (the world's test split; `dev`
+    /// during training) or a dataset name / path.
+    pub eval_data: String,
+    /// Search engine: `synthetic` (a BM25 index of the world's corpus, built on first use), a kiln index
+    /// directory (`kiln index`), or the URL of a `kiln serve-retriever` / Search-R1 retrieval server.
+    pub retriever: String,
+    /// Root of the shared datasets (for dataset names).
+    pub datasets_root: PathBuf,
+    /// GRPO rollouts: questions per step, group size, protocol, refiner, reward, sampling.
+    pub search: SearchTaskConfig,
+    /// Final evaluation after training: modes and number of held-out questions (0 = skip).
+    pub final_eval: FinalEval,
+}
+
+/// The evaluation table printed at the end of training.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct FinalEval {
+    /// Held-out questions (0 = no final evaluation). Default 200.
+    pub questions: usize,
+    /// Modes: any of `direct`, `rag`, `agent`.
+    pub modes: Vec<String>,
+    /// Bootstrap resamples of the confidence intervals. Default 2000.
+    pub resamples: usize,
+}
+
+impl Default for FinalEval {
+    fn default() -> Self {
+        FinalEval {
+            questions: 200,
+            modes: vec!["direct".into(), "rag".into(), "agent".into()],
+            resamples: 2000,
+        }
+    }
+}
+
+impl Default for SearchRecipe {
+    fn default() -> Self {
+        SearchRecipe {
+            pretrained: String::new(),
+            judge_model: String::new(),
+            chat_template: false,
+            init_dir: PathBuf::from("runs/search/warm-start"),
+            model: TransformerConfig {
+                vocab_size: 2048,
+                hidden_size: 128,
+                intermediate_size: 384,
+                num_hidden_layers: 4,
+                num_attention_heads: 4,
+                num_key_value_heads: Some(4),
+                max_position_embeddings: 1024,
+                tie_word_embeddings: true,
+                ..TransformerConfig::default()
+            },
+            warm_start: WarmStartConfig::default(),
+            world: WorldConfig::default(),
+            train_data: "synthetic".into(),
+            eval_data: "synthetic".into(),
+            retriever: "synthetic".into(),
+            datasets_root: PathBuf::from("../shared/datasets"),
+            search: SearchTaskConfig::default(),
+            final_eval: FinalEval::default(),
+        }
+    }
+}
+
+impl SearchRecipe {
+    /// True when the world is used (data or retriever `synthetic`).
+    pub fn uses_world(&self) -> bool {
+        [&self.train_data, &self.eval_data, &self.retriever]
+            .iter()
+            .any(|s| s.as_str() == "synthetic")
+    }
+}
+
+/// Everything a run needs besides the model.
+pub struct Env {
+    /// The world, when used.
+    pub world: Option<World>,
+    /// The search engine.
+    pub search: RetrieverBackend,
+    /// Training questions.
+    pub train: Vec<QaExample>,
+    /// Held-out questions used during training.
+    pub dev: Vec<QaExample>,
+    /// Held-out questions of the final table.
+    pub test: Vec<QaExample>,
+}
+
+/// Opens (building on first use) the BM25 index of the world's corpus in `<world dir>/index`.
+fn world_index(world_dir: &Path) -> Result<kiln_retrieval::IndexRetriever> {
+    let index = world_dir.join("index");
+    if let Ok(r) = kiln_retrieval::IndexRetriever::open(&index) {
+        return Ok(r);
+    }
+    let corpus = world_dir.join("corpus.jsonl");
+    kiln_retrieval::build_index(
+        std::slice::from_ref(&corpus),
+        &index,
+        &kiln_retrieval::BuildOptions::default(),
+    )
+    .with_context(|| format!("indexing {}", corpus.display()))?;
+    kiln_retrieval::IndexRetriever::open(&index)
+        .with_context(|| format!("opening {}", index.display()))
+}
+
+/// Opens a retriever from a recipe / CLI string (`synthetic` needs `world_dir`).
+pub fn open_retriever(spec: &str, world_dir: Option<&Path>) -> Result<RetrieverBackend> {
+    let r: Arc<dyn kiln_retrieval::Retriever> = if spec == "synthetic" {
+        let dir = world_dir.context("the synthetic retriever needs the synthetic world")?;
+        Arc::new(world_index(dir)?)
+    } else if spec.starts_with("http://") || spec.starts_with("https://") {
+        Arc::new(
+            kiln_retrieval::RemoteRetriever::new(spec, kiln_retrieval::RemoteOptions::default())
+                .with_context(|| format!("retriever {spec}"))?,
+        )
+    } else {
+        Arc::new(
+            kiln_retrieval::IndexRetriever::open(Path::new(spec)).with_context(|| {
+                format!("opening the index {spec} (build one with `kiln index`)")
+            })?,
+        )
+    };
+    Ok(RetrieverBackend(r))
+}
+
+fn load_set(spec: &str, root: &Path, limit: Option<usize>) -> Result<Vec<QaExample>> {
+    let path = resolve_dataset(spec, root).map_err(PipelineError::msg)?;
+    let l = load_qa(
+        &path,
+        &LoadOptions {
+            strict: false,
+            limit,
+        },
+    )
+    .map_err(PipelineError::msg)?;
+    if l.skipped > 0 {
+        tracing::warn!("{}: skipped {} bad lines", path.display(), l.skipped);
+    }
+    Ok(l.examples)
+}
+
+/// Builds the environment of a recipe.
+pub fn env(r: &SearchRecipe) -> Result<Env> {
+    let (world, dir) = if r.uses_world() {
+        let (w, d) =
+            load_or_generate(&r.world, &default_cache_root()).map_err(PipelineError::msg)?;
+        (Some(w), Some(d))
+    } else {
+        (None, None)
+    };
+    let search = open_retriever(&r.retriever, dir.as_deref())?;
+    let split = |s: Split| world.as_ref().map(|w| w.examples(s)).unwrap_or_default();
+    let train = if r.train_data == "synthetic" {
+        split(Split::Train)
+    } else {
+        load_set(&r.train_data, &r.datasets_root, None)?
+    };
+    let (dev, test) = if r.eval_data == "synthetic" {
+        (split(Split::Dev), split(Split::Test))
+    } else {
+        let all = load_set(&r.eval_data, &r.datasets_root, None)?;
+        (all.clone(), all)
+    };
+    Ok(Env {
+        world,
+        search,
+        train,
+        dev,
+        test,
+    })
+}
+
+/// The agent prompt template (chat-wrapped when asked).
+fn agent_template(r: &SearchRecipe, tok: &Tokenizer) -> PromptTemplate {
+    let base = PromptTemplate::search_r1();
+    if r.chat_template {
+        PromptTemplate(tok.apply_chat_template(&[kiln_lm::ChatMessage::user(base.0.clone())], true))
+    } else {
+        base
+    }
+}
+
+/// Loads the policy (pre-trained, or the warm start, creating it when absent) on `device`; the
+/// warm start draws its progress on `driver`'s bar.
+pub fn load_policy(
+    r: &SearchRecipe,
+    env: &Env,
+    device: &Device,
+    seed: u64,
+    driver: &mut impl Driver,
+) -> Result<(Transformer, Tokenizer)> {
+    if !r.pretrained.is_empty() {
+        return kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
+            .with_context(|| format!("loading the pre-trained policy {}", r.pretrained));
+    }
+    let dir = &r.init_dir;
+    let key_path = dir.join("warm_start.key");
+    let key = warm_start_key(r, env, seed);
+    if !dir.join("config.json").is_file() {
+        let world = env.world.as_ref().context(
+            "the warm start needs the synthetic world: set train_data: synthetic (or give `pretrained:`)",
+        )?;
+        tracing::info!(
+            "warm start: training a tokenizer and a {}-layer transformer on scripted demonstrations -> {}",
+            r.model.num_hidden_layers,
+            dir.display()
+        );
+        let pb = driver.progress_bar(r.warm_start.steps as u64);
+        pb.set_message("warm start");
+        let ad = device.clone().autodiff();
+        let report = warm_start(
+            world,
+            &r.warm_start,
+            &r.model,
+            &r.search.batch.protocol,
+            &env.search,
+            dir,
+            &ad,
+            seed,
+            |step, loss| {
+                pb.set_message(format!("warm start loss {loss:.3}"));
+                pb.inc(1);
+                if step % 50 == 0 {
+                    tracing::info!("warm start step {step}: loss {loss:.3}");
+                }
+            },
+        )
+        .map_err(PipelineError::msg)?;
+        pb.finish_and_clear();
+        tracing::info!(
+            "warm start done in {:.0}s: {} parameters, demonstrations {:?}, loss {:.3} -> {:.3}",
+            report.seconds,
+            report.parameters,
+            report.examples,
+            report.loss_first,
+            report.loss_last
+        );
+        std::fs::write(&key_path, &key)
+            .with_context(|| format!("writing {}", key_path.display()))?;
+    } else {
+        match std::fs::read_to_string(&key_path) {
+            Ok(found) if found.trim() != key => {
+                return Err(PipelineError(format!(
+                    "{} was warm-started with other settings (world, warm_start, model, protocol or seed differ from \
+                     this recipe): delete that folder to warm-start again, or set `init_dir:` to a new folder",
+                    dir.display()
+                )));
+            }
+            Ok(_) => tracing::info!("using the warm-started policy in {}", dir.display()),
+            Err(_) => tracing::info!(
+                "using the policy in {} (not made by kiln's warm start: no warm_start.key)",
+                dir.display()
+            ),
+        }
+    }
+    let tok = Tokenizer::from_hf_dir(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let model = kiln_lm::load_hf_dir(dir, device)
+        .with_context(|| format!("loading the policy of {}", dir.display()))?;
+    Ok((model, tok))
+}
+
+/// What a warm start depends on (the world, its settings, the architecture, the protocol and the seed), as a
+/// stable hex digest: a warm-start folder made under other settings is never silently reused.
+fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
+    let world = env
+        .world
+        .as_ref()
+        .map(|w| crate::synthetic::cache_key(&w.config))
+        .unwrap_or_default();
+    let text = serde_json::to_string(&(
+        world,
+        &r.warm_start,
+        &r.model,
+        &r.search.batch.protocol,
+        seed,
+    ))
+    .unwrap_or_default();
+    kiln_rl::digest::fnv1a_hex(text.as_bytes())
+}
+
+/// `kiln train` of a `search_r2` recipe on `device` with the run seed `seed`: the environment,
+/// the policy, joint GRPO through `driver`, then the final table of the newest checkpoint of
+/// `run_dir` (when `final_eval.questions > 0`).
+pub fn train(
+    r: &SearchRecipe,
+    device: &Device,
+    seed: u64,
+    run_dir: &Path,
+    driver: &mut impl Driver,
+) -> Result<()> {
+    device.seed(seed);
+    let env = env(r)?;
+    if env.train.is_empty() {
+        return Err(PipelineError(format!(
+            "no training questions (train_data: {})",
+            r.train_data
+        )));
+    }
+    let ad = device.clone().autodiff();
+    let (model, tok) = load_policy(r, &env, &ad, seed, driver)?;
+    tracing::info!(
+        "search_r2: policy {} parameters, {} training questions, refiner {}, process reward {}",
+        model.num_params(),
+        env.train.len(),
+        if r.search.batch.refiner.enabled {
+            "on"
+        } else {
+            "off"
+        },
+        if r.search.batch.reward.process {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    let template = agent_template(r, &tok);
+    let mut task = SearchTask::new(
+        r.search.clone(),
+        tok.clone(),
+        template,
+        env.search.clone(),
+        env.train.clone(),
+        env.dev.clone(),
+        seed,
+    )
+    .map_err(PipelineError::msg)?;
+    if !r.judge_model.is_empty() {
+        let (jm, jt) = kiln_lm::zoo::load_with_tokenizer(&r.judge_model, device)
+            .with_context(|| format!("loading the judge model {}", r.judge_model))?;
+        task = task.with_judge_model(jm, jt);
+    }
+    driver.train(task, model, ad)?;
+    if r.final_eval.questions > 0 {
+        let ckpt = kiln_rl::checkpoint::CheckpointManager::resolve(run_dir)?;
+        let n = r.final_eval.questions.min(env.test.len());
+        let modes: Vec<EvalMode> = r
+            .final_eval
+            .modes
+            .iter()
+            .filter_map(|m| m.parse().ok())
+            .collect();
+        eval_checkpoint(
+            r,
+            device,
+            seed,
+            &ckpt,
+            run_dir,
+            &[("heldout".to_string(), env.test[..n].to_vec())],
+            &env.search,
+            &modes,
+            r.final_eval.resamples,
+        )?;
+    }
+    Ok(())
+}
+
+/// Evaluates a checkpoint on `sets` in `modes` (greedy, [`evaluate_examples`]); writes
+/// `<run>/eval/qa-step-N/` (bootstrap seeded with `seed`) and prints the table.
+#[allow(clippy::too_many_arguments)]
+pub fn eval_checkpoint(
+    r: &SearchRecipe,
+    device: &Device,
+    seed: u64,
+    ckpt: &Path,
+    run_dir: &Path,
+    sets: &[(String, Vec<QaExample>)],
+    search: &RetrieverBackend,
+    modes: &[EvalMode],
+    resamples: usize,
+) -> Result<Vec<QaRecord>> {
+    let (model, tok) = if r.pretrained.is_empty() {
+        let tok = Tokenizer::from_hf_dir(&r.init_dir)
+            .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
+        let model = kiln_lm::load_hf_dir(&r.init_dir, device)
+            .with_context(|| format!("loading {}", r.init_dir.display()))?;
+        (model, tok)
+    } else {
+        kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device).map_err(PipelineError::msg)?
+    };
+    let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
+    let model = if mp.is_file() {
+        model
+            .try_load_file(&mp)
+            .map_err(|e| PipelineError(format!("{}: cannot load the model: {e}", mp.display())))?
+    } else {
+        model
+    };
+    let step = kiln_rl::checkpoint::CheckpointManager::read_state(ckpt)
+        .map(|s| s.step)
+        .unwrap_or(0);
+    let mut records = Vec::new();
+    let mut timing = BTreeMap::new();
+    for (name, examples) in sets {
+        for &mode in modes {
+            let t = std::time::Instant::now();
+            let (recs, stats) = evaluate_examples(
+                &model,
+                &tok,
+                &r.search,
+                search,
+                name,
+                examples,
+                mode,
+                r.search.sampling.max_new_tokens,
+            )
+            .map_err(PipelineError::msg)?;
+            timing.insert(
+                format!("{name}/{}", mode.name()),
+                serde_json::json!({"seconds": t.elapsed().as_secs_f64(), "rollout": stats}),
+            );
+            records.extend(recs);
+        }
+    }
+    // The final table of a training run goes to qa-step-N; `kiln eval` reports are named after their data.
+    let names: Vec<&str> = sets.iter().map(|(n, _)| n.as_str()).collect();
+    let label = if names == ["heldout"] {
+        String::new()
+    } else {
+        format!("-{}", names.join("+"))
+    };
+    let dir = run_dir.join("eval").join(format!("qa-step-{step}{label}"));
+    let (summaries, files) = write_report(
+        &dir,
+        &format!("QA evaluation of {} (step {step})", ckpt.display()),
+        &records,
+        resamples,
+        seed,
+    )
+    .map_err(PipelineError::msg)?;
+    std::fs::write(dir.join("timing.json"), serde_json::to_vec_pretty(&timing)?)?;
+    println!("\n{}", crate::eval::markdown_table(&summaries));
+    println!("report: {}", files.markdown.display());
+    Ok(records)
+}
+
+/// `kiln eval RUN --task qa --data NAME_OR_PATH [--retriever INDEX_OR_URL] [--mode M]`.
+#[allow(clippy::too_many_arguments)]
+pub fn eval_qa(
+    r: &SearchRecipe,
+    device: &Device,
+    seed: u64,
+    ckpt: &Path,
+    run_dir: &Path,
+    data: Option<&str>,
+    retriever: Option<&str>,
+    mode: Option<&str>,
+    limit: Option<usize>,
+) -> Result<()> {
+    let mut rr = r.clone();
+    if let Some(x) = retriever {
+        rr.retriever = x.to_string();
+    }
+    let data = data.unwrap_or("synthetic");
+    let sets: Vec<(String, Vec<QaExample>)> = if data == "synthetic" || data == "synthetic:test" {
+        rr.eval_data = "synthetic".into();
+        let e = env(&rr)?;
+        let mut t = e.test;
+        if let Some(n) = limit {
+            t.truncate(n);
+        }
+        let search = e.search;
+        let modes = parse_modes(mode)?;
+        eval_checkpoint(
+            &rr,
+            device,
+            seed,
+            ckpt,
+            run_dir,
+            &[("synthetic-test".into(), t)],
+            &search,
+            &modes,
+            r.final_eval.resamples,
+        )?;
+        return Ok(());
+    } else {
+        data.split(',')
+            .map(|d| {
+                let ex = load_set(d.trim(), &rr.datasets_root, limit)?;
+                let name = Path::new(d.trim())
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().to_string())
+                    .unwrap_or_else(|| d.to_string());
+                Ok((name, ex))
+            })
+            .collect::<Result<_>>()?
+    };
+    let world_dir = if rr.retriever == "synthetic" {
+        Some(
+            load_or_generate(&rr.world, &default_cache_root())
+                .map_err(PipelineError::msg)?
+                .1,
+        )
+    } else {
+        None
+    };
+    let search = open_retriever(&rr.retriever, world_dir.as_deref())?;
+    let modes = parse_modes(mode)?;
+    eval_checkpoint(
+        &rr,
+        device,
+        seed,
+        ckpt,
+        run_dir,
+        &sets,
+        &search,
+        &modes,
+        r.final_eval.resamples,
+    )?;
+    Ok(())
+}
+
+fn parse_modes(mode: Option<&str>) -> Result<Vec<EvalMode>> {
+    match mode {
+        None | Some("all") => Ok(vec![EvalMode::Direct, EvalMode::Rag, EvalMode::Agent]),
+        Some(m) => m
+            .split(',')
+            .map(|x| x.trim().parse::<EvalMode>().map_err(PipelineError::msg))
+            .collect(),
+    }
+}
