@@ -105,6 +105,15 @@ impl EpochSampler {
         (0..k).map_while(|_| self.next_index()).collect()
     }
 
+    /// The next `k` indices, each repeated `group_size` times in a row (the prompts of a GRPO
+    /// step, one group of rollouts each).
+    pub fn take_groups(&mut self, k: usize, group_size: usize) -> Vec<usize> {
+        self.take(k)
+            .into_iter()
+            .flat_map(|i| std::iter::repeat_n(i, group_size))
+            .collect()
+    }
+
     /// The checkpoint state.
     pub fn state(&self) -> SamplerState {
         self.state
@@ -178,5 +187,10 @@ mod tests {
         let want: Vec<usize> = (0..3).flat_map(perm).collect();
         assert_eq!(EpochSampler::new(len, seed, mix).take(15), want);
         assert!(EpochSampler::new(0, 0, 1).take(3).is_empty());
+        let mut s = EpochSampler::new(len, seed, mix);
+        assert_eq!(
+            s.take_groups(2, 3),
+            vec![want[0], want[0], want[0], want[1], want[1], want[1]]
+        );
     }
 }

@@ -242,18 +242,8 @@ pub fn stage2(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::denoiser::{digit_log_probs, tiny_denoiser_config};
-    use crate::policy::PolicyConfig;
-    use crate::sudoku::{GenParams, Shape, generate};
-
-    fn setup() -> (SudokuDenoiser, OrderPolicy, Vec<Puzzle>) {
-        let device = Device::flex();
-        device.seed(11);
-        let model = tiny_denoiser_config(Shape::NINE).init(&device);
-        let pol = OrderPolicy::init(&PolicyConfig::default(), Shape::NINE, &device);
-        let ps = generate(&GenParams::new(3, 70, 4)).unwrap();
-        (model, pol, ps)
-    }
+    use crate::denoiser::digit_log_probs;
+    use crate::task::tests::setup;
 
     #[test]
     fn stage2_examples_are_teacher_forced_steps_also_under_a_symmetry() {

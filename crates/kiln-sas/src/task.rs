@@ -253,12 +253,7 @@ impl RlTask for SasTask {
             return Err("no training puzzles".into());
         }
         let g = self.cfg.group_size;
-        let ids: Vec<usize> = self
-            .sampler
-            .take(self.cfg.puzzles_per_step)
-            .into_iter()
-            .flat_map(|i| std::iter::repeat_n(i, g))
-            .collect();
+        let ids = self.sampler.take_groups(self.cfg.puzzles_per_step, g);
         let puzzles: Vec<&Puzzle> = ids.iter().map(|&i| &self.train[i]).collect();
         let t0 = Instant::now();
         let ro = teacher_forced_rollout(
@@ -368,13 +363,14 @@ impl RlTask for SasTask {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::denoiser::tiny_denoiser_config;
     use crate::sudoku::{GenParams, Shape, generate};
     use burn::tensor::Device;
 
-    fn setup() -> (SudokuDenoiser, OrderPolicy, Vec<Puzzle>) {
+    /// A tiny seeded denoiser, a default order policy and three generated puzzles.
+    pub(crate) fn setup() -> (SudokuDenoiser, OrderPolicy, Vec<Puzzle>) {
         let device = Device::flex();
         device.seed(11);
         let model = tiny_denoiser_config(Shape::NINE).init(&device);

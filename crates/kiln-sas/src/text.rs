@@ -446,12 +446,7 @@ impl RlTask for TextSasTask<'_> {
             return Err("no training examples".into());
         }
         let g = self.cfg.group_size;
-        let ids: Vec<usize> = self
-            .sampler
-            .take(self.cfg.prompts_per_step)
-            .into_iter()
-            .flat_map(|i| std::iter::repeat_n(i, g))
-            .collect();
+        let ids = self.sampler.take_groups(self.cfg.prompts_per_step, g);
         let prompts: Vec<&[u32]> = ids
             .iter()
             .map(|&i| self.examples[i].prompt.as_slice())
