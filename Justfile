@@ -2,7 +2,12 @@
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
-cargo_release := "cargo build --release -p kiln-cli"
+# Extra cargo features for every build, e.g. `KILN_FEATURES=kiln-cli/wgpu just setup` (wgpu and
+# cuda are opt-in: a default build is the CPU backend only). Keep it set for later `just` commands,
+# so that they all build one dependency tree.
+features := env_var_or_default("KILN_FEATURES", "")
+feat := if features == "" { "" } else { "--features " + features }
+cargo_release := "cargo build --release -p kiln-cli " + feat
 target_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() + "/target")
 kiln := target_dir + "/release/kiln"
 
@@ -17,6 +22,22 @@ setup: build setup-test
 # Build the release binary.
 build:
     {{cargo_release}}
+
+# Later `just` commands rebuild without it unless KILN_FEATURES=kiln-cli/wgpu is exported.
+# Build the release binary with the wgpu backend (Vulkan / Metal / DX12; Mesa lavapipe on a CPU).
+build-wgpu:
+    KILN_FEATURES="kiln-cli/wgpu{{ if features == "" { "" } else { "," + features } }}" just build
+    @echo "built with wgpu; export KILN_FEATURES=kiln-cli/wgpu so that later just commands keep it"
+
+# For a cold measurement: `cargo clean` first (the registry cache stays).
+# Where the release build spends its time: cargo's --timings report plus the slowest crates.
+build-timings:
+    {{cargo_release}} --timings
+    python3 scripts/ci/timings_top.py target/cargo-timings/cargo-timing.html
+
+# What this machine and build have and lack for each backend and recipe (a few seconds).
+doctor: build
+    {{kiln}} doctor
 
 # Create .venv and install the Python packages tests use (idempotent).
 setup-test:
@@ -34,8 +55,8 @@ eval *ARGS: build
 # Run the test suite (release build: numerics in debug are 10-50x slower). One build of every
 # target (binary included, which the end-to-end tests drive), then the tests.
 test: setup-test
-    cargo build --release --workspace --all-targets
-    cargo test --release --workspace --no-fail-fast
+    cargo build --release --workspace --all-targets {{feat}}
+    cargo test --release --workspace --no-fail-fast {{feat}}
 
 # Benchmarks (long; not part of `just test`).
 bench: build
@@ -55,17 +76,17 @@ fmt:
 # Lints (warnings are errors).
 lint:
     cargo fmt --all -- --check
-    cargo clippy --release --workspace --all-targets -- -D warnings
+    cargo clippy --release --workspace --all-targets {{feat}} -- -D warnings
 
 # Keep the CUDA path compiling without a GPU or the LLVM download (see STACK.md).
 # `--release` reuses the build scripts and proc-macros `just test` compiled.
 check-cuda:
     DOCS_RS=1 cargo check --release -p kiln-cli --features cuda
 
-# A few GRPO steps on the wgpu backend (Mesa lavapipe on a CPU-only machine). wgpu is a default
-# feature of kiln-cli, so after `just test` this build is a no-op (same command, same features).
+# With KILN_FEATURES=kiln-cli/wgpu (as CI sets it) this build is a no-op after `just test`.
+# A few GRPO steps on the wgpu backend (Mesa lavapipe on a CPU-only machine).
 smoke-wgpu:
-    cargo build --release --workspace --all-targets
+    cargo build --release --workspace --all-targets --features kiln-cli/wgpu{{ if features == "" { "" } else { "," + features } }}
     d=$(mktemp -d) && cp -r configs recipes "$d" && cd "$d" && \
       {{kiln}} train recipes/grpo_sequence.yaml \
       --set backend=wgpu --set trainer.steps=3 --set trainer.eval_every=0 \

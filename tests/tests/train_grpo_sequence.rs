@@ -161,3 +161,79 @@ fn sigkill_then_resume_matches_uninterrupted_run() {
         "resumed metrics differ"
     );
 }
+
+/// Ctrl-C (SIGINT) during `kiln train`: the run directory was printed at the start, the process
+/// exits with 130 and prints the `--resume` command, and that command continues the run to its end.
+#[test]
+fn ctrl_c_prints_the_resume_command_which_continues_the_run() {
+    let p = scratch_project();
+    let child = kiln(p.path())
+        .args(train_args(&[
+            "--set",
+            "trainer.steps=400",
+            "--set",
+            "trainer.checkpoint_every=2",
+            "--set",
+            "trainer.eval_every=0",
+        ]))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let runs = p.path().join("runs");
+    assert!(wait_for(&runs, Duration::from_secs(60)), "no runs dir");
+    let run = loop {
+        if let Some(e) = std::fs::read_dir(&runs).unwrap().flatten().next() {
+            break e.path();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let ckpt = wait_for(
+        &run.join("checkpoints/step-2/state.json"),
+        Duration::from_secs(300),
+    );
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill -INT");
+    assert!(kill.success());
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(ckpt, "the step-2 checkpoint never appeared: {err}");
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains(&format!(
+            "run directory: {}",
+            Path::new("runs").join(run.file_name().unwrap()).display()
+        )) || err.contains(&format!("run directory: {}", run.display())),
+        "{err}"
+    );
+    assert!(
+        !err.contains('\u{1b}'),
+        "colour escapes in piped stderr: {err:?}"
+    );
+    let line = err
+        .lines()
+        .find(|l| l.trim_start().starts_with("kiln train --resume "))
+        .unwrap_or_else(|| panic!("no resume command in: {err}"));
+    let dir = line.trim_start().trim_start_matches("kiln train --resume ");
+    assert!(
+        !run.join("checkpoints/step-400").exists(),
+        "the run ended before Ctrl-C; the test needs a longer run"
+    );
+    // Continue to two steps past the newest complete checkpoint (the full 400 would be slow).
+    let newest = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().join("state.json").is_file())
+        .filter_map(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.strip_prefix("step-")?.parse::<u64>().ok()
+        })
+        .max()
+        .expect("a complete checkpoint");
+    let steps = format!("trainer.steps={}", newest + 2);
+    let out = run_kiln(p.path(), &["train", "--resume", dir, "--set", &steps]);
+    assert!(out.status.success(), "{}", text(&out));
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.last().unwrap()["step"].as_u64(), Some(newest + 2));
+}

@@ -19,7 +19,7 @@ pub enum Backend {
     /// burn-cuda on GPU 0 (build with `--features cuda`).
     Cuda,
     /// burn-wgpu on the default adapter: Vulkan / Metal / DX12, or Mesa lavapipe on CPU
-    /// (the `wgpu` feature, on by default).
+    /// (build with `--features wgpu`, or `just build-wgpu`).
     Wgpu,
 }
 

@@ -1,6 +1,7 @@
 //! The `kiln` command-line tool.
 
 mod config;
+mod doctor;
 mod explain;
 mod recipe;
 mod run;
@@ -81,6 +82,8 @@ enum Command {
     Export(kiln_lm::cli::ExportArgs),
     /// Generate (or show the cached) synthetic multi-hop world: corpus + 1-hop/2-hop questions.
     SyntheticWorld(kiln_search::cli::SyntheticArgs),
+    /// Say what this machine and build have and lack for each backend and recipe.
+    Doctor(doctor::DoctorArgs),
 }
 
 fn init_tracing() {
@@ -89,6 +92,7 @@ fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_ansi(run::stderr_colours())
         .with_writer(|| run::SuspendingStderr)
         .try_init();
 }
@@ -195,6 +199,7 @@ fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Generate(a) => Ok(kiln_lm::cli::run_generate(a)?),
         Command::Export(a) => Ok(kiln_lm::cli::run_export(a)?),
         Command::SyntheticWorld(a) => Ok(kiln_search::cli::run_synthetic(a)?),
+        Command::Doctor(a) => doctor::run(a),
     }
 }
 

@@ -71,7 +71,8 @@ pub fn device_for(backend: Backend) -> anyhow::Result<Device> {
             {
                 bail!(
                     "this kiln binary was built without CUDA support; rebuild with \
-                     `cargo build --release --features cuda` or set `backend: cpu`"
+                     `cargo build --release -p kiln-cli --features cuda` or set `backend: cpu` \
+                     (`kiln doctor` shows what the machine has)"
                 )
             }
         }
@@ -83,8 +84,9 @@ pub fn device_for(backend: Backend) -> anyhow::Result<Device> {
             #[cfg(not(feature = "wgpu"))]
             {
                 bail!(
-                    "this kiln binary was built without wgpu support; rebuild with \
-                     `cargo build --release -p kiln-cli` (the `wgpu` feature is on by default) or set `backend: cpu`"
+                    "this kiln binary was built without wgpu support; rebuild with `just build-wgpu` \
+                     (`cargo build --release -p kiln-cli --features wgpu`) or set `backend: cpu` \
+                     (`kiln doctor` shows what the machine has)"
                 )
             }
         }
@@ -92,6 +94,75 @@ pub fn device_for(backend: Backend) -> anyhow::Result<Device> {
 }
 
 static PROGRESS: OnceLock<Mutex<Option<indicatif::ProgressBar>>> = OnceLock::new();
+
+/// The run directory of the `kiln train` in progress, for the Ctrl-C handler.
+static ACTIVE_RUN: OnceLock<Mutex<Option<PathBuf>>> = OnceLock::new();
+
+/// Print the run directory and arm the Ctrl-C / SIGTERM handler: an interrupted `kiln train` says
+/// where the run is and the command that continues it from its newest complete checkpoint
+/// (checkpoints are written atomically, so stopping between two is safe), then exits with 130.
+pub fn announce_run(run_dir: &Path, resumed: bool) {
+    let verb = if resumed {
+        "continuing"
+    } else {
+        "run directory"
+    };
+    eprintln!("{verb}: {}", run_dir.display());
+    *ACTIVE_RUN
+        .get_or_init(|| Mutex::new(None))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = Some(run_dir.to_path_buf());
+    static ARMED: OnceLock<()> = OnceLock::new();
+    ARMED.get_or_init(|| {
+        if let Err(e) = ctrlc::set_handler(on_interrupt) {
+            tracing::warn!(
+                "no Ctrl-C handler ({e}); an interrupted run still resumes with --resume"
+            );
+        }
+    });
+}
+
+/// The `kiln train --resume` command line of `run_dir`.
+pub fn resume_command(run_dir: &Path) -> String {
+    let p = run_dir.display().to_string();
+    let quoted = if p
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+    {
+        p
+    } else {
+        format!("'{}'", p.replace('\'', r"'\''"))
+    };
+    format!("kiln train --resume {quoted}")
+}
+
+fn on_interrupt() {
+    if let Some(pb) = PROGRESS
+        .get()
+        .and_then(|m| m.lock().ok().and_then(|g| g.clone()))
+    {
+        pb.abandon();
+    }
+    let dir = ACTIVE_RUN
+        .get()
+        .and_then(|m| m.lock().ok().and_then(|g| g.clone()));
+    match dir {
+        Some(d) => eprintln!(
+            "\ninterrupted: the run is in {}\ncontinue it from its newest checkpoint with:\n  {}",
+            d.display(),
+            resume_command(&d)
+        ),
+        None => eprintln!("\ninterrupted"),
+    }
+    std::process::exit(130);
+}
+
+/// Whether log lines on stderr may carry ANSI colours: stderr is a terminal and `NO_COLOR`
+/// (<https://no-color.org>) is unset or empty.
+pub fn stderr_colours() -> bool {
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    !no_color && std::io::stderr().is_terminal()
+}
 
 /// A progress bar on stderr (hidden when stderr is not a terminal); log lines are printed above it.
 pub fn progress_bar(steps: u64) -> indicatif::ProgressBar {

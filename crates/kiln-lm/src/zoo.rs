@@ -60,6 +60,34 @@ fn registries() -> Vec<PathBuf> {
     out
 }
 
+/// Every `(name, path, registry file)` recorded in the `.kiln/models.json` registries, nearest
+/// registry first (a name recorded in several registries is listed once, from the nearest).
+/// Unreadable registries are skipped; paths are listed whether or not they exist.
+pub fn recorded() -> Vec<(String, PathBuf, PathBuf)> {
+    let mut out: Vec<(String, PathBuf, PathBuf)> = Vec::new();
+    let mut seen_regs = std::collections::BTreeSet::new();
+    for reg in registries() {
+        let canon = reg.canonicalize().unwrap_or_else(|_| reg.clone());
+        if !seen_regs.insert(canon) {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&reg) else {
+            continue;
+        };
+        let Ok(serde_json::Value::Object(map)) = serde_json::from_str(&text) else {
+            continue;
+        };
+        for (name, p) in map {
+            if let Some(p) = p.as_str()
+                && !out.iter().any(|(n, _, _)| *n == name)
+            {
+                out.push((name, PathBuf::from(p), reg.clone()));
+            }
+        }
+    }
+    out
+}
+
 /// Look a name up in the `.kiln/models.json` registries.
 pub fn lookup_name(name: &str) -> Result<Option<PathBuf>, ZooError> {
     for reg in registries() {

@@ -105,8 +105,14 @@ pub fn file_stem(key: &str) -> String {
 }
 
 /// Draw every metric (one PNG + SVG each) and an overview grid into `<run_dir>/plots/`. Returns the files in
-/// report order (the overview first). Keys without a single finite value are skipped.
-pub fn write_plots(run_dir: &Path, rows: &[MetricsRow]) -> Result<Vec<PlotFile>, TrackError> {
+/// report order (the overview first). Keys without a single finite value are skipped. `run_name`
+/// heads the overview and prefixes every chart's title, so a plot copied out of its run still says
+/// which run it shows.
+pub fn write_plots(
+    run_dir: &Path,
+    rows: &[MetricsRow],
+    run_name: &str,
+) -> Result<Vec<PlotFile>, TrackError> {
     register_fonts();
     let dir = run_dir.join("plots");
     std::fs::create_dir_all(&dir).map_err(|e| TrackError::io(&dir, e))?;
@@ -135,6 +141,7 @@ pub fn write_plots(run_dir: &Path, rows: &[MetricsRow]) -> Result<Vec<PlotFile>,
         let svg = dir.join("overview.svg");
         draw_grid(
             BitMapBackend::new(&png, OVERVIEW_SIZE).into_drawing_area(),
+            run_name,
             &overview,
         )
         .map_err(|msg| TrackError::Plot {
@@ -143,6 +150,7 @@ pub fn write_plots(run_dir: &Path, rows: &[MetricsRow]) -> Result<Vec<PlotFile>,
         })?;
         draw_grid(
             SVGBackend::new(&svg, OVERVIEW_SIZE).into_drawing_area(),
+            run_name,
             &overview,
         )
         .map_err(|msg| TrackError::Plot {
@@ -165,9 +173,14 @@ pub fn write_plots(run_dir: &Path, rows: &[MetricsRow]) -> Result<Vec<PlotFile>,
         }
         let png = dir.join(format!("{stem}.png"));
         let svg = dir.join(format!("{stem}.svg"));
+        let title = if run_name.is_empty() {
+            key.clone()
+        } else {
+            format!("{run_name}: {key}")
+        };
         draw_chart(
             BitMapBackend::new(&png, CHART_SIZE).into_drawing_area(),
-            &key,
+            &title,
             &s,
             22,
         )
@@ -177,7 +190,7 @@ pub fn write_plots(run_dir: &Path, rows: &[MetricsRow]) -> Result<Vec<PlotFile>,
         })?;
         draw_chart(
             SVGBackend::new(&svg, CHART_SIZE).into_drawing_area(),
-            &key,
+            &title,
             &s,
             22,
         )
@@ -196,9 +209,16 @@ pub fn write_plots(run_dir: &Path, rows: &[MetricsRow]) -> Result<Vec<PlotFile>,
 
 fn draw_grid<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
+    run_name: &str,
     charts: &[&(String, Series)],
 ) -> Result<(), String> {
     root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let root = if run_name.is_empty() {
+        root
+    } else {
+        root.titled(run_name, (FONT, 26).into_font())
+            .map_err(|e| e.to_string())?
+    };
     let cols = if charts.len() <= 2 { charts.len() } else { 3 };
     let rows = charts.len().div_ceil(cols);
     let areas = root.split_evenly((rows, cols));
@@ -420,7 +440,7 @@ mod tests {
             ("all_nan", &[f64::NAN, f64::INFINITY]),
             ("gaps", &[1.0, f64::NAN, 3.0, f64::NEG_INFINITY]),
         ]);
-        let files = write_plots(dir.path(), &r).unwrap();
+        let files = write_plots(dir.path(), &r, "plot-test").unwrap();
         let keys: Vec<&str> = files.iter().map(|f| f.key.as_str()).collect();
         assert!(!keys.contains(&"all_nan"), "{keys:?}");
         for f in &files {

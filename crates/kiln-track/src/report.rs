@@ -37,16 +37,18 @@ pub fn write_report(run_dir: &Path) -> Result<Report, TrackError> {
         )));
     }
     let rows = read_metrics(&metrics)?;
-    let plots = write_plots(run_dir, &rows)?;
     let recipe_path = run_dir.join("recipe.yaml");
     let recipe: Option<serde_json::Value> = std::fs::read_to_string(&recipe_path)
         .ok()
         .and_then(|t| serde_norway::from_str(&t).ok());
 
+    // The recipe's `name` (empty means "the recipe file's name", which only the run directory
+    // `<name>-<UTC time>` still carries), else the directory's name.
     let name = recipe
         .as_ref()
         .and_then(|r| r.get("name"))
         .and_then(|v| v.as_str())
+        .filter(|n| !n.trim().is_empty())
         .map(str::to_string)
         .or_else(|| {
             run_dir
@@ -54,6 +56,7 @@ pub fn write_report(run_dir: &Path) -> Result<Report, TrackError> {
                 .map(|n| n.to_string_lossy().into_owned())
         })
         .unwrap_or_else(|| "run".into());
+    let plots = write_plots(run_dir, &rows, &name)?;
     let mut md = String::new();
     let _ = writeln!(md, "# Run report: {}\n", md_escape(&name));
     let _ = writeln!(md, "- Run directory: `{}`", run_dir.display());

@@ -237,3 +237,26 @@ fn logging_section_parses_from_yaml_with_defaults() {
         .to_string();
     assert!(err.contains("projetc"), "{err}");
 }
+
+/// A recipe without a `name` (the default: "use the recipe file's name") used to give
+/// `# Run report: ` with nothing after it; the run directory's name stands in, and the plots carry
+/// the same name (the SVG text is searchable).
+#[test]
+fn report_and_plots_carry_the_run_name_when_the_recipe_has_none() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("grpo_sequence-20261202-101500");
+    std::fs::create_dir(&dir).unwrap();
+    let cfg = LoggingConfig::default();
+    write_run(&dir, 12, &cfg);
+    std::fs::write(dir.join("recipe.yaml"), "name: ''\ntask: grpo_sequence\n").unwrap();
+    kiln_track::report::write_report(&dir).unwrap();
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        report.starts_with("# Run report: grpo_sequence-20261202-101500\n"),
+        "{report}"
+    );
+    let overview = std::fs::read_to_string(dir.join("plots/overview.svg")).unwrap();
+    assert!(overview.contains("grpo_sequence-20261202-101500"));
+    let chart = std::fs::read_to_string(dir.join("plots/reward_mean.svg")).unwrap();
+    assert!(chart.contains("grpo_sequence-20261202-101500: reward/mean"));
+}

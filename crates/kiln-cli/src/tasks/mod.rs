@@ -98,6 +98,7 @@ impl<T: CliTask> Task for T {
     fn train(&self, req: &TrainRequest) -> anyhow::Result<PathBuf> {
         let l = load(self, &req.raw)?;
         let (run_dir, resume) = prepare_run_dir(req, &l.common, &l.resolved)?;
+        run::announce_run(&run_dir, resume);
         let mut run = Run {
             common: &l.common,
             resolved: &l.resolved,
