@@ -21,6 +21,18 @@ struct Case {
 
 const CASES: &[Case] = &[
     Case {
+        name: "top-k sampling in a training recipe",
+        yaml: "task: search_r2\nsearch:\n  sampling:\n    temperature: 0.7\n    top_k: 20\n",
+        sets: &[],
+        expect: &["search.sampling", "top_k", "bad.yaml:5:"],
+    },
+    Case {
+        name: "greedy training rollouts",
+        yaml: "task: search_r2\nsearch:\n  sampling:\n    temperature: 0.0\n",
+        sets: &[],
+        expect: &["search.sampling", "temperature > 0", "bad.yaml:4:"],
+    },
+    Case {
         name: "unknown top-level key",
         yaml: "task: grpo_sequence\ntrainr:\n  steps: 3\n",
         sets: &[],

@@ -39,4 +39,25 @@ pub enum TrainError {
     /// Reading or writing a checkpoint failed.
     #[error("checkpoint error: {0}")]
     Checkpoint(String),
+    /// The policy ratio did not start at 1: the training log-probs of the actions differ from the
+    /// ones they were sampled with (a task that scores another distribution than it samples).
+    #[error(
+        "policy ratio check failed at step {step} for task `{task}`: max |log p(train) - log p({against})| \
+         = {diff:.3e} over the policy tokens, above trainer.ratio_tolerance = {tolerance:.1e}. The \
+         gradient would be that of another distribution; check that the task re-scores its actions with \
+         the sampling settings (temperature, no top-k/top-p) and the exact token ids it sampled \
+         (set trainer.ratio_tolerance: 0 to turn the check off)"
+    )]
+    RatioCheck {
+        /// [`crate::RlTask::name`].
+        task: String,
+        /// The step.
+        step: u64,
+        /// What the training log-probs were compared with (`sampling` or `the rollout snapshot`).
+        against: &'static str,
+        /// The largest absolute log-prob difference.
+        diff: f64,
+        /// The tolerance.
+        tolerance: f64,
+    },
 }

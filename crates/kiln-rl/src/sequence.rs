@@ -145,12 +145,15 @@ impl SequenceTask {
     }
 
     /// Decode `length` tokens after the prompts: sampled at `temperature` (with `rng`) or greedy.
+    /// Also returns, per row, the log-prob of each sampled token under the sampling softmax
+    /// (empty when greedy).
     fn decode(
         &self,
         policy: &Transformer,
         prompts: &[Vec<u32>],
         mut rng: Option<&mut ChaCha8Rng>,
-    ) -> Vec<Vec<u32>> {
+    ) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+        let mut logps: Vec<Vec<f32>> = vec![Vec::new(); prompts.len()];
         let b = prompts.len();
         let pw = self.prompt_width();
         let mut rows: Vec<Vec<u32>> = prompts
@@ -181,7 +184,9 @@ impl SequenceTask {
                         .unwrap_or_default();
                     for (i, row) in rows.iter_mut().enumerate() {
                         let lp = &host[i * v..(i + 1) * v];
-                        row.push(sample_categorical(lp, rng));
+                        let tok = sample_categorical(lp, rng);
+                        logps[i].push(lp[tok as usize]);
+                        row.push(tok);
                     }
                 }
                 None => {
@@ -197,7 +202,7 @@ impl SequenceTask {
                 }
             }
         }
-        rows
+        (rows, logps)
     }
 
     fn score_rows(&self, row: &[u32]) -> f64 {
@@ -240,6 +245,10 @@ impl RlTask for SequenceTask {
     type Policy = Transformer;
     type Data = SeqData;
 
+    fn name(&self) -> &str {
+        "grpo_sequence"
+    }
+
     fn rollout(
         &mut self,
         policy: &Transformer,
@@ -254,7 +263,7 @@ impl RlTask for SequenceTask {
                 prompts.push(p.clone());
             }
         }
-        let rows = self.decode(policy, &prompts, Some(rng));
+        let (rows, logps) = self.decode(policy, &prompts, Some(rng));
         let rewards: Vec<f64> = rows.iter().map(|r| self.score_rows(r)).collect();
         let width = rows[0].len();
         let exact = rewards.iter().filter(|r| **r >= 1.0).count() as f64 / rewards.len() as f64;
@@ -271,6 +280,7 @@ impl RlTask for SequenceTask {
             max_actions: self.cfg.length,
             action_mask: vec![1.0; prompts.len() * self.cfg.length],
             metrics,
+            sampled_logp: Some(logps.into_iter().flatten().collect()),
         })
     }
 
@@ -317,7 +327,7 @@ impl RlTask for SequenceTask {
         let mut exact = 0.0;
         let n = self.eval_set.len();
         for chunk in self.eval_set.chunks(256) {
-            let rows = self.decode(policy, chunk, None);
+            let (rows, _) = self.decode(policy, chunk, None);
             for r in &rows {
                 let s = self.score_rows(r);
                 acc += s;

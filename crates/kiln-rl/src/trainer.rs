@@ -52,6 +52,14 @@ pub struct TrainerConfig {
     /// policy-gradient signal, yet with Adam and a KL term they still move the weights). Their share is
     /// logged as `groups/uniform_frac` either way. Off by default (the plain GRPO objective).
     pub skip_uniform_groups: bool,
+    /// Largest allowed `max |log p_train - log p_sampled|` over the policy tokens of a step: the
+    /// log-probs the loss computes must be those the actions were sampled with, or the PPO ratio
+    /// does not start at 1 and the gradient belongs to another distribution. Checked on every step
+    /// against the log-probs the task recorded while sampling ([`Rollout::sampled_logp`]), and on
+    /// the first minibatch against the rollout snapshot's re-scoring (non-deterministic scoring,
+    /// e.g. dropout). Logged as `ratio/max_abs_logp_diff`. Past it the step fails with an error
+    /// naming the task. 0 = off. Default 1e-3.
+    pub ratio_tolerance: f64,
 }
 
 impl Default for TrainerConfig {
@@ -67,6 +75,7 @@ impl Default for TrainerConfig {
             max_nonfinite_updates: 5,
             log_every: 0,
             skip_uniform_groups: false,
+            ratio_tolerance: 1e-3,
         }
     }
 }
@@ -87,6 +96,11 @@ pub struct Rollout<D> {
     pub action_mask: Vec<f32>,
     /// Task metrics for this batch (reward components, lengths, ...).
     pub metrics: BTreeMap<String, f64>,
+    /// Log-probability each action had when it was sampled, `n * T` row-major like
+    /// `action_mask` (entries under mask 0 are ignored), or `None` when the task does not record
+    /// them. The trainer checks the re-scored log-probs against these
+    /// ([`TrainerConfig::ratio_tolerance`]).
+    pub sampled_logp: Option<Vec<f32>>,
 }
 
 impl<D> Rollout<D> {
@@ -116,6 +130,15 @@ impl<D> Rollout<D> {
             return bad(format!(
                 "action mask has {} entries, expected {n} x {}",
                 self.action_mask.len(),
+                self.max_actions
+            ));
+        }
+        if let Some(s) = &self.sampled_logp
+            && s.len() != n * self.max_actions
+        {
+            return bad(format!(
+                "sampled log-probs have {} entries, expected {n} x {}",
+                s.len(),
                 self.max_actions
             ));
         }
@@ -151,6 +174,11 @@ pub trait RlTask {
     type Policy: Module;
     /// Rollout data the task needs to re-score actions.
     type Data;
+
+    /// The task's name in errors (e.g. the policy-ratio check). Default `task`.
+    fn name(&self) -> &str {
+        "task"
+    }
 
     /// Generate a batch of grouped trajectories with `policy` (a no-grad snapshot of the current
     /// parameters). All randomness must come from `rng` or from state saved by [`RlTask::state`].
@@ -436,6 +464,21 @@ impl<T: RlTask> Trainer<T> {
         out
     }
 
+    /// Fails the step when `diff` (a max |log-prob difference|) is past `trainer.ratio_tolerance`.
+    fn check_ratio(&self, diff: f64, against: &'static str) -> Result<(), TrainError> {
+        let tolerance = self.opts.trainer.ratio_tolerance;
+        if tolerance > 0.0 && diff > tolerance {
+            return Err(TrainError::RatioCheck {
+                task: self.task.name().to_string(),
+                step: self.step,
+                against,
+                diff,
+                tolerance,
+            });
+        }
+        Ok(())
+    }
+
     /// One training step; returns its metrics row.
     pub fn train_step(&mut self) -> Result<BTreeMap<String, f64>, TrainError> {
         let t_step = Instant::now();
@@ -512,6 +555,15 @@ impl<T: RlTask> Trainer<T> {
         drop(snapshot);
         let t_score = t1.elapsed().as_secs_f64();
 
+        // The policy ratio must start at 1: the re-scored log-probs are the sampled ones.
+        if let Some(sampled) = &rollout.sampled_logp
+            && !order.is_empty()
+        {
+            let d = max_masked_diff(&old_logp, sampled, &rollout.action_mask, t, &order);
+            m.insert("ratio/max_abs_logp_diff".into(), d);
+            self.check_ratio(d, "sampling")?;
+        }
+
         // 4. PPO epochs x minibatches.
         let t2 = Instant::now();
         let mut stats_acc: Vec<LossStats> = Vec::new();
@@ -522,6 +574,7 @@ impl<T: RlTask> Trainer<T> {
         } else {
             self.opts.trainer.ppo_epochs.max(1)
         };
+        let mut first_minibatch = true;
         for _epoch in 0..epochs {
             if self.opts.trainer.shuffle {
                 order.shuffle(&mut self.rng);
@@ -529,6 +582,17 @@ impl<T: RlTask> Trainer<T> {
             for idx in order.chunks(mb) {
                 let b = idx.len();
                 let scored = self.task.score(&self.model, &rollout.data, idx);
+                if std::mem::take(&mut first_minibatch) {
+                    // Same weights as the snapshot that scored `old_logp`: any difference is
+                    // non-deterministic scoring (dropout, a stateful task).
+                    let new = to_host(scored.logp.clone().detach());
+                    let rows: Vec<usize> = (0..b).collect();
+                    let old = Self::gather_rows(&old_logp, t, idx);
+                    let mask = Self::gather_rows(&rollout.action_mask, t, idx);
+                    let d = max_masked_diff(&new, &old, &mask, t, &rows);
+                    m.insert("ratio/first_minibatch_max_abs_diff".into(), d);
+                    self.check_ratio(d, "the rollout snapshot")?;
+                }
                 let inputs = LossInputs {
                     logp: scored.logp,
                     old_logp: self.tensor(Self::gather_rows(&old_logp, t, idx), b, t),
@@ -728,4 +792,21 @@ pub fn mean_std(v: &[f64]) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / n;
     let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
     (mean, var.sqrt())
+}
+
+/// `max |a - b|` over the entries of rows `rows` (of width `t`) where `mask` is non-zero; 0 when
+/// none is. Non-finite differences are left to the non-finite guard of the update.
+fn max_masked_diff(a: &[f32], b: &[f32], mask: &[f32], t: usize, rows: &[usize]) -> f64 {
+    let mut d = 0f64;
+    for &i in rows {
+        for k in i * t..(i + 1) * t {
+            if mask.get(k).is_some_and(|m| *m != 0.0) {
+                let x = (f64::from(a[k]) - f64::from(b[k])).abs();
+                if x.is_finite() {
+                    d = d.max(x);
+                }
+            }
+        }
+    }
+    d
 }

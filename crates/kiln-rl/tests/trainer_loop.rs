@@ -36,6 +36,9 @@ struct Bandit {
     nan_rewards: bool,
     /// Every trajectory gets reward 1 (all groups uniform).
     constant: bool,
+    /// From step `.0` on, sample at temperature `.1` while `score` stays at temperature 1: the
+    /// mismatch a task that ignores its sampling temperature in training would have.
+    hot_from: Option<(u64, f32)>,
 }
 
 struct Data {
@@ -51,16 +54,26 @@ impl RlTask for Bandit {
     type Policy = Table;
     type Data = Data;
 
+    fn name(&self) -> &str {
+        "bandit"
+    }
+
     fn rollout(
         &mut self,
         policy: &Table,
-        _step: u64,
+        step: u64,
         rng: &mut ChaCha8Rng,
     ) -> Result<Rollout<Data>, TaskError> {
-        let probs: Vec<f32> = burn::tensor::activation::softmax(policy.logits.val(), 1)
-            .into_data()
-            .try_into_vec()
-            .unwrap();
+        let temp = match self.hot_from {
+            Some((s, t)) if step >= s => t,
+            _ => 1.0,
+        };
+        let probs: Vec<f32> =
+            burn::tensor::activation::softmax(policy.logits.val().div_scalar(temp), 1)
+                .into_data()
+                .try_into_vec()
+                .unwrap();
+        let mut sampled = Vec::new();
         let mut ctx = Vec::new();
         let mut actions = Vec::new();
         let mut rewards = Vec::new();
@@ -80,6 +93,7 @@ impl RlTask for Bandit {
                         }
                     }
                     actions.push(a);
+                    sampled.push(probs[c * ARMS + a].ln());
                     if a == (c + 1) % ARMS {
                         r += 0.5;
                     }
@@ -103,6 +117,7 @@ impl RlTask for Bandit {
             max_actions: 2,
             action_mask: vec![1.0; n * 2],
             metrics: BTreeMap::new(),
+            sampled_logp: Some(sampled),
         })
     }
 
@@ -181,6 +196,7 @@ fn trainer_with(
             g: 4,
             nan_rewards: nan,
             constant,
+            hot_from: None,
         },
         Table::new(&device),
         device,
@@ -278,4 +294,57 @@ fn nonfinite_rewards_skip_updates_then_abort_without_checkpoint() {
     );
     // parameters untouched by the skipped updates
     assert!(kiln_rl::trainer::params_finite(t.model()));
+}
+
+/// The ratio guard: re-scored log-probs equal the sampled ones while the task samples what it
+/// scores (the metric is logged, ~0); once it samples at another temperature than it scores,
+/// the step fails with an error naming the task and the tolerance.
+#[test]
+fn a_task_that_scores_another_distribution_than_it_samples_fails_the_step() {
+    let d = tempfile::tempdir().unwrap();
+    let mut t = trainer(d.path(), 10, false);
+    for _ in 0..3 {
+        let m = t.train_step().unwrap();
+        assert!(m["ratio/max_abs_logp_diff"] < 1e-5, "{m:?}");
+        assert_eq!(m["ratio/first_minibatch_max_abs_diff"], 0.0, "{m:?}");
+    }
+    let d = tempfile::tempdir().unwrap();
+    let device = Device::flex().autodiff();
+    let mut t = Trainer::new(
+        Bandit {
+            groups: 8,
+            g: 4,
+            nan_rewards: false,
+            constant: false,
+            hot_from: Some((3, 0.5)),
+        },
+        Table::new(&device),
+        device,
+        opts(d.path(), 10),
+        Box::new(NullSink),
+    );
+    for _ in 0..3 {
+        t.train_step().unwrap();
+    }
+    let e = t.train_step().unwrap_err();
+    assert!(matches!(e, TrainError::RatioCheck { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`bandit`") && msg.contains("ratio_tolerance"),
+        "{msg}"
+    );
+}
+
+/// Zero advantages (every reward equal) with the policy equal to the reference: the policy
+/// gradient, the KL term's gradient (k3 has zero slope at equality) and hence the update are
+/// zero; the weights do not move.
+#[test]
+fn zero_advantages_at_the_reference_give_a_zero_update() {
+    let d = tempfile::tempdir().unwrap();
+    let mut t = trainer_with(d.path(), 5, false, true, false);
+    let before = logits(&t);
+    let m = t.train_step().unwrap();
+    assert!(m["updates"] > 0.0, "the step must update: {m:?}");
+    assert_eq!(m["grad_norm"], 0.0, "{m:?}");
+    assert_eq!(logits(&t), before);
 }

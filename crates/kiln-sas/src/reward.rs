@@ -178,6 +178,9 @@ impl TfRollout {
             max_actions: t_max,
             action_mask,
             metrics,
+            // The order policy's sampled log-probs are not recorded yet; the trainer still checks
+            // the first minibatch against the rollout snapshot.
+            sampled_logp: None,
         }
     }
 }

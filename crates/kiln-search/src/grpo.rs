@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln_lm::{SamplingConfig, Tokenizer, Transformer, score_tokens};
+use kiln_lm::{SamplingConfig, Tokenizer, Transformer};
 use kiln_rl::{EpochSampler, RlTask, Rollout, Scored, TaskError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -87,6 +87,9 @@ struct PackedRows {
     response_tokens: usize,
     /// Policy tokens (mask 1) of the responses over all rows.
     policy_tokens: usize,
+    /// `n * T` log-probs the actor's tokens were sampled with (NaN where unknown: observation
+    /// and refiner entries, policy segments without recorded log-probs), when any is known.
+    sampled_logp: Option<Vec<f32>>,
 }
 
 /// Rollout data kept for re-scoring.
@@ -103,6 +106,8 @@ pub struct SearchData {
     ta: usize,
     /// Width of the refiner part.
     td: usize,
+    /// Sampling temperature of the actor's tokens (their re-scoring temperature).
+    temperature: f32,
 }
 
 /// The Search-R2 / Search-R1 GRPO task.
@@ -145,6 +150,7 @@ impl SearchTask {
         }
         template.validate()?;
         cfg.batch.protocol.validate()?;
+        check_training_sampling(&cfg.sampling)?;
         Ok(SearchTask {
             cfg,
             tokenizer,
@@ -180,10 +186,23 @@ impl SearchTask {
         let n = items.len();
         let mut p = PackedRows::default();
         let mut actor_masks = Vec::with_capacity(n);
+        let mut actor_lps: Vec<Vec<f32>> = Vec::with_capacity(n);
+        let mut any_lp = false;
         for it in items {
             let mut traj: Trajectory = it.episode.trajectory.clone();
             tokenize_episode(&self.tokenizer, &mut traj).map_err(task_err)?;
             let (ids, mut m) = traj.ids_and_loss_mask().map_err(task_err)?;
+            let mut lp: Vec<f32> = Vec::with_capacity(ids.len());
+            for seg in traj.segments() {
+                let k = seg.token_ids.as_ref().map_or(0, Vec::len);
+                match (&seg.kind, &seg.logprobs) {
+                    (crate::protocol::SegmentKind::Policy, Some(l)) if l.len() == k => {
+                        any_lp = true;
+                        lp.extend_from_slice(l);
+                    }
+                    _ => lp.extend(std::iter::repeat_n(f32::NAN, k)),
+                }
+            }
             let prompt = traj.prompt_token_ids.clone().unwrap_or_default();
             let mut row = prompt.clone();
             row.extend_from_slice(&ids);
@@ -192,6 +211,8 @@ impl SearchTask {
                 row.truncate(window);
                 m.truncate(window.saturating_sub(prompt.len()));
             }
+            lp.truncate(m.len());
+            actor_lps.push(lp);
             p.response_tokens += m.len();
             p.policy_tokens += m.iter().filter(|x| **x > 0.0).count();
             p.data.actor_start.push(prompt.len());
@@ -215,16 +236,21 @@ impl SearchTask {
             .unwrap_or(0);
         let t = ta + td;
         p.action_mask = vec![0.0f32; n * t];
+        let mut sampled = vec![f32::NAN; n * t];
         for (i, m) in actor_masks.iter().enumerate() {
             p.action_mask[i * t..i * t + m.len()].copy_from_slice(m);
+            let lp = &actor_lps[i];
+            sampled[i * t..i * t + lp.len()].copy_from_slice(lp);
             if let Some((r, s)) = &p.data.refiner_rows[i] {
                 for k in 0..r.len() - s {
                     p.action_mask[i * t + ta + k] = 1.0;
                 }
             }
         }
+        p.sampled_logp = any_lp.then_some(sampled);
         p.data.ta = ta;
         p.data.td = td;
+        p.data.temperature = self.cfg.sampling.temperature;
         Ok(p)
     }
 
@@ -284,6 +310,29 @@ pub fn evaluate_examples(
     )
 }
 
+/// The training rollouts must be sampled from the distribution the loss re-scores: the full
+/// softmax of `logits / temperature` ([`gather_actions`]). Greedy decoding has no such
+/// distribution (every token has probability 1), and top-k / top-p sample from a truncated one
+/// whose log-probs differ from the re-scored ones, so the PPO ratio would not start at 1.
+pub fn check_training_sampling(s: &SamplingConfig) -> Result<(), Error> {
+    if s.greedy || !(s.temperature > 0.0 && s.temperature.is_finite()) {
+        return Err(Error::Invalid(format!(
+            "search.sampling: training rollouts must be sampled (temperature > 0, greedy: false), \
+             got temperature {} and greedy {}; greedy decoding is what evaluation uses",
+            s.temperature, s.greedy
+        )));
+    }
+    if s.top_k > 0 || s.top_p < 1.0 {
+        return Err(Error::Invalid(format!(
+            "search.sampling: top_k {} / top_p {} truncate the sampling distribution, but the \
+             training log-probs are those of the full softmax at the temperature, so the policy \
+             ratio would be wrong from the first update; set top_k: 0 and top_p: 1.0 for training",
+            s.top_k, s.top_p
+        )));
+    }
+    Ok(())
+}
+
 /// Left-trims `ids` so that `ids.len() + extra <= window` (the refiner decision follows the prompt's end).
 fn fit_window(mut ids: Vec<u32>, extra: usize, window: usize) -> Vec<u32> {
     if ids.len() + extra > window {
@@ -293,20 +342,41 @@ fn fit_window(mut ids: Vec<u32>, extra: usize, window: usize) -> Vec<u32> {
     ids
 }
 
-/// Log-probs `[b, width]` of the tokens `rows[i][start[i] + k]`, `k < width` (0 where the row is shorter).
+/// Log-probs `[b, width]` of the tokens `rows[i][start[i] + k]`, `k < width` (0 where the row is
+/// shorter), under `log_softmax(logits / temperature)`: the distribution the tokens were drawn
+/// from (the sampling temperature for the actor's tokens, 1 for the refiner's decision); and the
+/// entropy of that distribution at the same positions, detached (for logging: differentiating it
+/// would keep a `[b, w, vocab]` tensor per minibatch alive for the backward pass).
 fn gather_actions(
     model: &Transformer,
     rows: &[Vec<u32>],
     start: &[usize],
     width: usize,
-) -> Tensor<2> {
+    temperature: f32,
+) -> (Tensor<2>, Tensor<2>) {
     let device = model.device();
     let b = rows.len();
     let (toks, mask, w) = padded(rows, &device);
     if w < 2 || width == 0 {
-        return Tensor::zeros([b, width.max(1)], &device).slice([0..b, 0..width]);
+        let z = Tensor::zeros([b, width.max(1)], &device).slice([0..b, 0..width]);
+        return (z.clone(), z);
     }
-    let lp = score_tokens(model, toks, mask, 1.0); // [b, w-1]: entry p = log p(token p+1)
+    // [b, w-1, V]: entry p = the distribution of token p+1.
+    let logits = model.forward_masked(toks.clone(), mask);
+    let v = logits.dims()[2];
+    let logits = logits.slice([0..b, 0..w - 1, 0..v]);
+    let logits = if temperature != 1.0 {
+        logits.div_scalar(temperature)
+    } else {
+        logits
+    };
+    let logp_all = burn::tensor::activation::log_softmax(logits, 2);
+    let ent = {
+        let la = logp_all.clone().detach();
+        (la.clone().exp() * la).sum_dim(2).reshape([b, w - 1]).neg()
+    };
+    let targets = toks.slice([0..b, 1..w]).reshape([b, w - 1, 1]);
+    let lp = logp_all.gather(2, targets).reshape([b, w - 1]);
     let mut idx = Vec::with_capacity(b * width);
     for (r, &s) in rows.iter().zip(start) {
         for k in 0..width {
@@ -320,12 +390,16 @@ fn gather_actions(
         }
     }
     let idx = Tensor::<2, Int>::from_data(TensorData::new(idx, [b, width]), &device);
-    lp.gather(1, idx)
+    (lp.gather(1, idx.clone()), ent.gather(1, idx))
 }
 
 impl RlTask for SearchTask {
     type Policy = Transformer;
     type Data = SearchData;
+
+    fn name(&self) -> &str {
+        "search_r2"
+    }
 
     fn rollout(
         &mut self,
@@ -412,6 +486,7 @@ impl RlTask for SearchTask {
             max_actions,
             action_mask: packed.action_mask,
             metrics,
+            sampled_logp: packed.sampled_logp,
         })
     }
 
@@ -421,9 +496,9 @@ impl RlTask for SearchTask {
             .map(|&i| data.actor_rows[i].clone())
             .collect();
         let start: Vec<usize> = indices.iter().map(|&i| data.actor_start[i]).collect();
-        let actor = gather_actions(policy, &rows, &start, data.ta);
-        let logp = if data.td == 0 {
-            actor
+        let (actor, actor_ent) = gather_actions(policy, &rows, &start, data.ta, data.temperature);
+        let (logp, entropy) = if data.td == 0 {
+            (actor, actor_ent)
         } else {
             let (rows, start): (Vec<Vec<u32>>, Vec<usize>) = indices
                 .iter()
@@ -432,12 +507,17 @@ impl RlTask for SearchTask {
                     None => (vec![0, 0], 1),
                 })
                 .unzip();
-            let refiner = gather_actions(policy, &rows, &start, data.td);
-            Tensor::cat(vec![actor, refiner], 1)
+            let (refiner, refiner_ent) = gather_actions(policy, &rows, &start, data.td, 1.0);
+            (
+                Tensor::cat(vec![actor, refiner], 1),
+                Tensor::cat(vec![actor_ent, refiner_ent], 1),
+            )
         };
+        // Logged as `entropy` (mean over the policy tokens); detached, so an entropy bonus has
+        // no gradient here: search_r2 recipes refuse `algorithm.entropy_coef` != 0.
         Scored {
             logp,
-            entropy: None,
+            entropy: Some(entropy),
         }
     }
 
@@ -494,5 +574,112 @@ impl RlTask for SearchTask {
 
     fn load_state(&mut self, state: &serde_json::Value) -> Result<(), TaskError> {
         Ok(self.sampler.load_json(state)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+    use kiln_lm::TransformerConfig;
+
+    fn tiny() -> Transformer {
+        let device = Device::flex();
+        device.seed(3);
+        TransformerConfig {
+            vocab_size: 40,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: Some(2),
+            initializer_range: 0.2,
+            ..Default::default()
+        }
+        .init(&device)
+    }
+
+    /// The actor's tokens are re-scored at the temperature they were sampled with: batched,
+    /// left-padded prompts of different lengths, sampled at T = 0.7 and T = 1; the log-probs
+    /// `gather_actions` computes match the ones recorded while sampling within 1e-4. Scoring the
+    /// T = 0.7 samples at T = 1 (the old behaviour) is far off, so the test can fail.
+    #[test]
+    fn rescored_actor_logprobs_match_the_sampling_distribution() {
+        let m = tiny();
+        let prompts = vec![vec![1, 2, 3], vec![4, 5, 6, 7, 8, 9], vec![10]];
+        for temperature in [0.7f32, 1.0] {
+            let cfg = SamplingConfig {
+                max_new_tokens: 8,
+                temperature,
+                ..Default::default()
+            };
+            let mut rng = ChaCha8Rng::seed_from_u64(9);
+            let g = kiln_lm::generate(&m, &prompts, &cfg, &mut rng, None);
+            let rows: Vec<Vec<u32>> = prompts
+                .iter()
+                .zip(&g.tokens)
+                .map(|(p, t)| p.iter().chain(t).copied().collect())
+                .collect();
+            let start: Vec<usize> = prompts.iter().map(Vec::len).collect();
+            let width = g.tokens.iter().map(Vec::len).max().unwrap();
+            let got: Vec<f32> = gather_actions(&m, &rows, &start, width, temperature)
+                .0
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap();
+            let at_one: Vec<f32> = gather_actions(&m, &rows, &start, width, 1.0)
+                .0
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap();
+            let mut off = 0f32;
+            for (i, lps) in g.logprobs.iter().enumerate() {
+                for (k, want) in lps.iter().enumerate() {
+                    let v = got[i * width + k];
+                    assert!(
+                        (v - want).abs() < 1e-4,
+                        "T={temperature} row {i} tok {k}: {v} vs {want}"
+                    );
+                    off = off.max((at_one[i * width + k] - want).abs());
+                }
+            }
+            if temperature != 1.0 {
+                assert!(
+                    off > 1e-2,
+                    "scoring at T=1 should differ from T={temperature}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn greedy_and_truncated_training_sampling_are_refused() {
+        let ok = SearchTaskConfig::default().sampling;
+        assert!(check_training_sampling(&ok).is_ok());
+        for bad in [
+            SamplingConfig {
+                top_k: 20,
+                ..ok.clone()
+            },
+            SamplingConfig {
+                top_p: 0.9,
+                ..ok.clone()
+            },
+            SamplingConfig {
+                temperature: 0.0,
+                ..ok.clone()
+            },
+            SamplingConfig {
+                greedy: true,
+                ..ok.clone()
+            },
+            SamplingConfig {
+                temperature: f32::NAN,
+                ..ok.clone()
+            },
+        ] {
+            let e = check_training_sampling(&bad).unwrap_err().to_string();
+            assert!(e.contains("search.sampling"), "{e}");
+        }
     }
 }

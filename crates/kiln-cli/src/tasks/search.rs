@@ -48,6 +48,27 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
             "search.sampling.max_new_tokens must be at least 1".into(),
         ));
     }
+    let common: crate::config::CommonConfig = raw.deserialize()?;
+    if common.algorithm.entropy_coef != 0.0 {
+        return Err(bad(
+            "algorithm.entropy_coef",
+            "search_r2 logs the policy entropy but does not differentiate it (the gradient would \
+             keep a positions x vocabulary tensor per minibatch alive); set algorithm.entropy_coef: 0"
+                .into(),
+        ));
+    }
+    if let Err(e) = kiln_search::grpo::check_training_sampling(&r.search.sampling) {
+        let field = if r.search.sampling.top_k > 0 {
+            "search.sampling.top_k"
+        } else if r.search.sampling.top_p < 1.0 {
+            "search.sampling.top_p"
+        } else if r.search.sampling.greedy {
+            "search.sampling.greedy"
+        } else {
+            "search.sampling.temperature"
+        };
+        return Err(bad(field, e.to_string()));
+    }
     if r.search.max_batch == 0 {
         return Err(bad(
             "search.max_batch",

@@ -399,3 +399,80 @@ fn llm_judge_scores_fresh_searches_and_zeroes_duplicates() {
     };
     assert_eq!(u[0] == 1.0, lp(" yes") > lp(" no"));
 }
+
+/// The task-level guard of the policy ratio: batched, left-padded, multi-turn rollouts with
+/// observations and refiner revisions (margin -1e9: every trajectory the refiner sees is cut and
+/// regenerated), sampled at T = 1 and T = 0.7; the re-scored log-prob of every policy token
+/// equals the one recorded while sampling within 1e-4 (kiln-rl's trainer fails a step past
+/// `trainer.ratio_tolerance` on the same comparison).
+#[test]
+fn rescored_policy_tokens_match_sampling_at_the_sampling_temperature_with_revisions() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 11);
+    for temperature in [1.0f32, 0.7] {
+        let mut cfg = SearchTaskConfig {
+            questions_per_step: 3,
+            sampling: SamplingConfig {
+                max_new_tokens: 20,
+                temperature,
+                ..Default::default()
+            },
+            ..SearchTaskConfig::default()
+        };
+        cfg.batch.group_size = 3;
+        cfg.batch.protocol.max_turns = 3;
+        cfg.batch.refiner.enabled = true;
+        cfg.batch.refiner.joint = true;
+        cfg.batch.refiner.margin = -1e9;
+        let mut task = SearchTask::new(
+            cfg,
+            f.tok.clone(),
+            PromptTemplate::search_r1(),
+            f.search.clone(),
+            f.world.examples(Split::Train),
+            f.world.examples(Split::Dev),
+            2,
+        )
+        .unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(17);
+        let r = task.rollout(&m, 0, &mut rng).unwrap();
+        let n = r.rewards.len();
+        let t = r.max_actions;
+        assert!(
+            r.metrics
+                .get("refiner/intervention_volume")
+                .copied()
+                .unwrap_or(0.0)
+                > 0.0,
+            "no revision happened: {:?}",
+            r.metrics
+        );
+        let sampled = r.sampled_logp.as_ref().expect("sampled log-probs recorded");
+        let scored = task.score(&m, &r.data, &(0..n).collect::<Vec<_>>());
+        let lp: Vec<f32> = scored.logp.into_data().try_into_vec_as::<f32>().unwrap();
+        let ent: Vec<f32> = scored
+            .entropy
+            .expect("the search task reports the policy entropy")
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .unwrap();
+        let max_ent = (f.tok.vocab_size() as f32).ln() + 1e-3;
+        for (k, e) in ent.iter().enumerate() {
+            if r.action_mask[k] > 0.0 {
+                assert!((-1e-4..=max_ent).contains(e), "entropy {e} at {k}");
+            }
+        }
+        let (mut checked, mut worst) = (0usize, 0f32);
+        for k in 0..n * t {
+            if r.action_mask[k] > 0.0 && sampled[k].is_finite() {
+                worst = worst.max((lp[k] - sampled[k]).abs());
+                checked += 1;
+            }
+        }
+        assert!(checked > 50, "only {checked} policy tokens compared");
+        assert!(
+            worst < 1e-4,
+            "T={temperature}: max |rescored - sampled| = {worst}"
+        );
+    }
+}
