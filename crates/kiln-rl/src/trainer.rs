@@ -60,6 +60,14 @@ pub struct TrainerConfig {
     /// e.g. dropout). Logged as `ratio/max_abs_logp_diff`. Past it the step fails with an error
     /// naming the task. 0 = off. Default 1e-3.
     pub ratio_tolerance: f64,
+    /// Placebo control (a debug switch for diagnostics, never for real training): before the
+    /// advantages are computed, the groups' reward vectors are permuted among the groups of the
+    /// batch (seeded per step), so each group is trained on another group's rewards. The reward
+    /// sparsity, the share of uniform groups and the number of updates stay those of a real run,
+    /// but the rewards say nothing about the trajectories they are attached to: if a metric moves
+    /// as much under the placebo as in a real run, the movement is optimiser noise, not learning.
+    /// Logged metrics (`reward/...`) stay the true rewards. Default false.
+    pub placebo_rewards: bool,
 }
 
 impl Default for TrainerConfig {
@@ -76,6 +84,7 @@ impl Default for TrainerConfig {
             log_every: 0,
             skip_uniform_groups: false,
             ratio_tolerance: 1e-3,
+            placebo_rewards: false,
         }
     }
 }
@@ -505,7 +514,29 @@ impl<T: RlTask> Trainer<T> {
         // 2. Advantages from rewards (group baseline).
         let alg = self.opts.algorithm.clone();
         let alg = &alg;
-        let adv: Vec<f32> = match (&rollout.step_rewards, alg.reward_to_go) {
+        let groups = n / rollout.group_size.max(1);
+        if self.opts.trainer.placebo_rewards && groups < 2 {
+            return Err(TrainError::InvalidRollout(format!(
+                "trainer.placebo_rewards needs at least 2 groups per rollout batch to swap their \
+                 rewards; this batch has {groups}"
+            )));
+        }
+        let placebo = self
+            .opts
+            .trainer
+            .placebo_rewards
+            .then(|| group_permutation(groups, self.opts.seed, self.step));
+        let (rewards_for_adv, step_rewards_for_adv) = match &placebo {
+            Some(perm) => (
+                permute_groups(&rollout.rewards, rollout.group_size, perm),
+                rollout
+                    .step_rewards
+                    .as_ref()
+                    .map(|sr| permute_groups(sr, rollout.group_size, perm)),
+            ),
+            None => (rollout.rewards.clone(), rollout.step_rewards.clone()),
+        };
+        let adv: Vec<f32> = match (&step_rewards_for_adv, alg.reward_to_go) {
             (Some(sr), true) => {
                 let a = batch_reward_to_go_advantages(sr, rollout.group_size, alg.advantage);
                 let mut out = vec![0f32; n * t];
@@ -517,7 +548,7 @@ impl<T: RlTask> Trainer<T> {
                 out
             }
             _ => {
-                let a = batch_advantages(&rollout.rewards, rollout.group_size, alg.advantage);
+                let a = batch_advantages(&rewards_for_adv, rollout.group_size, alg.advantage);
                 a.iter()
                     .flat_map(|&x| std::iter::repeat_n(x as f32, t))
                     .collect()
@@ -792,6 +823,33 @@ pub fn mean_std(v: &[f64]) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / n;
     let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
     (mean, var.sqrt())
+}
+
+/// A seeded derangement of `groups` group indices for the placebo control of `step`: no group
+/// keeps its own rewards (a fixed point would leak 1/groups of the real signal per step). A
+/// random cycle through a shuffled order. Identity for a single group (refused at the start).
+fn group_permutation(groups: usize, seed: u64, step: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(
+        seed ^ 0x504C_4143_4542_4F00 ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
+    let mut order: Vec<usize> = (0..groups).collect();
+    order.shuffle(&mut rng);
+    let mut p = vec![0; groups];
+    for i in 0..groups {
+        p[order[i]] = order[(i + 1) % groups];
+    }
+    p
+}
+
+/// `v` (one entry per trajectory, `g` per group) with group `k` holding group `perm[k]`'s entries.
+fn permute_groups<T: Clone>(v: &[T], g: usize, perm: &[usize]) -> Vec<T> {
+    let g = g.max(1);
+    let mut out = Vec::with_capacity(v.len());
+    for &src in perm {
+        out.extend_from_slice(&v[src * g..(src + 1) * g]);
+    }
+    out.extend_from_slice(&v[perm.len() * g..]);
+    out
 }
 
 /// `max |a - b|` over the entries of rows `rows` (of width `t`) where `mask` is non-zero; 0 when

@@ -348,3 +348,38 @@ fn zero_advantages_at_the_reference_give_a_zero_update() {
     assert_eq!(m["grad_norm"], 0.0, "{m:?}");
     assert_eq!(logits(&t), before);
 }
+
+/// The placebo control: the same bandit, the same budget, with each group trained on another
+/// group's rewards (`trainer.placebo_rewards`). The real run learns (see `bandit_learns`); the
+/// placebo run stays near chance, and its logged rewards are still the true ones.
+#[test]
+fn placebo_rewards_do_not_teach_the_bandit() {
+    let d = tempfile::tempdir().unwrap();
+    let device = Device::flex().autodiff();
+    let mut o = opts(d.path(), 30);
+    o.trainer.placebo_rewards = true;
+    let mut t = Trainer::new(
+        Bandit {
+            groups: 8,
+            g: 4,
+            nan_rewards: false,
+            constant: false,
+            hot_from: None,
+        },
+        Table::new(&device),
+        device,
+        o,
+        Box::new(NullSink),
+    );
+    let s = t.run().unwrap();
+    let p = s.eval["eval/p_best"];
+    eprintln!(
+        "placebo p(best arm) after 30 steps: {p:.3} (chance {:.3})",
+        1.0 / ARMS as f64
+    );
+    assert!(
+        p < 0.5,
+        "placebo p(best arm) = {p}: the placebo taught the policy"
+    );
+    assert!(s.last["reward/mean"] < 0.6, "{:?}", s.last);
+}
