@@ -110,6 +110,36 @@ pub struct SearchData {
     temperature: f32,
 }
 
+impl SearchData {
+    /// Number of trajectories.
+    pub fn len(&self) -> usize {
+        self.actor_rows.len()
+    }
+
+    /// True when the batch holds no trajectory.
+    pub fn is_empty(&self) -> bool {
+        self.actor_rows.is_empty()
+    }
+
+    /// `prompt + response` ids of trajectory `i` and the index of its first response token.
+    pub fn actor_row(&self, i: usize) -> (&[u32], usize) {
+        (&self.actor_rows[i], self.actor_start[i])
+    }
+
+    /// `refiner prompt + decision` ids of trajectory `i` and the decision's start, when its
+    /// refiner decision is in the loss (joint optimisation and the refiner decided).
+    pub fn refiner_row(&self, i: usize) -> Option<(&[u32], usize)> {
+        self.refiner_rows[i]
+            .as_ref()
+            .map(|(r, s)| (r.as_slice(), *s))
+    }
+
+    /// Widths of the action axis: (actor part, refiner part); the refiner part follows the actor's.
+    pub fn widths(&self) -> (usize, usize) {
+        (self.ta, self.td)
+    }
+}
+
 /// The Search-R2 / Search-R1 GRPO task.
 pub struct SearchTask {
     cfg: SearchTaskConfig,

@@ -476,3 +476,70 @@ fn rescored_policy_tokens_match_sampling_at_the_sampling_temperature_with_revisi
         );
     }
 }
+
+/// The refiner columns of the action axis: with `joint: true` every trajectory the refiner decided
+/// on carries its decision tokens (`" 0"` / `" j"`) after the actor part, under mask 1 (and mask 0
+/// past them); with `joint: false` there is no refiner part at all.
+#[test]
+fn refiner_decision_tokens_are_in_the_loss_only_with_joint_optimisation() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 13);
+    for joint in [true, false] {
+        let mut cfg = SearchTaskConfig {
+            questions_per_step: 2,
+            sampling: SamplingConfig {
+                max_new_tokens: 16,
+                ..Default::default()
+            },
+            ..SearchTaskConfig::default()
+        };
+        cfg.batch.group_size = 3;
+        cfg.batch.protocol.max_turns = 2;
+        cfg.batch.refiner.enabled = true;
+        cfg.batch.refiner.joint = joint;
+        cfg.batch.refiner.margin = -1e9;
+        let mut task = SearchTask::new(
+            cfg,
+            f.tok.clone(),
+            PromptTemplate::search_r1(),
+            f.search.clone(),
+            f.world.examples(Split::Train),
+            f.world.examples(Split::Dev),
+            4,
+        )
+        .unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(23);
+        let r = task.rollout(&m, 0, &mut rng).unwrap();
+        let (ta, td) = r.data.widths();
+        assert_eq!(r.max_actions, ta + td);
+        let t = r.max_actions;
+        if !joint {
+            assert_eq!(td, 0, "joint: false must leave the refiner out of the loss");
+            assert!((0..r.data.len()).all(|i| r.data.refiner_row(i).is_none()));
+            continue;
+        }
+        assert!(td > 0);
+        let mut decided = 0;
+        for i in 0..r.data.len() {
+            let mask = &r.action_mask[i * t + ta..(i + 1) * t];
+            match r.data.refiner_row(i) {
+                Some((row, s)) => {
+                    decided += 1;
+                    let text = f.tok.decode(&row[s..], false).unwrap();
+                    let j: usize = text
+                        .strip_prefix(' ')
+                        .and_then(|x| x.parse().ok())
+                        .unwrap_or_else(|| panic!("decision {text:?} is not \" j\""));
+                    assert!(j <= 2, "cut step {j} past max_turns");
+                    let k = row.len() - s;
+                    assert!(mask[..k].iter().all(|x| *x == 1.0), "{mask:?}");
+                    assert!(mask[k..].iter().all(|x| *x == 0.0), "{mask:?}");
+                    let prompt = f.tok.decode(&row[..s], false).unwrap();
+                    assert!(prompt.contains("ASSISTANT_STEP_1"), "{prompt}");
+                }
+                None => assert!(mask.iter().all(|x| *x == 0.0)),
+            }
+        }
+        assert!(decided > 0, "the refiner decided on no trajectory");
+    }
+}
