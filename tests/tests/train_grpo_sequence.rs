@@ -95,6 +95,18 @@ fn wait_for(path: &Path, timeout: Duration) -> bool {
     false
 }
 
+/// The run directory a `kiln train` started in `project` creates (waits up to a minute).
+fn wait_for_run_dir(project: &Path) -> std::path::PathBuf {
+    let runs = project.join("runs");
+    assert!(wait_for(&runs, Duration::from_secs(60)), "no runs dir");
+    loop {
+        if let Some(e) = std::fs::read_dir(&runs).unwrap().flatten().next() {
+            break e.path();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn sigkill_then_resume_matches_uninterrupted_run() {
     let common = [
@@ -126,14 +138,7 @@ fn sigkill_then_resume_matches_uninterrupted_run() {
         .args(train_args(&common))
         .spawn()
         .expect("spawn");
-    let runs = b.path().join("runs");
-    assert!(wait_for(&runs, Duration::from_secs(60)), "no runs dir");
-    let run_b = loop {
-        if let Some(e) = std::fs::read_dir(&runs).unwrap().flatten().next() {
-            break e.path();
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let run_b = wait_for_run_dir(b.path());
     let done = wait_for(
         &run_b.join("checkpoints/step-8/state.json"),
         Duration::from_secs(300),
@@ -179,14 +184,7 @@ fn ctrl_c_prints_the_resume_command_which_continues_the_run() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn");
-    let runs = p.path().join("runs");
-    assert!(wait_for(&runs, Duration::from_secs(60)), "no runs dir");
-    let run = loop {
-        if let Some(e) = std::fs::read_dir(&runs).unwrap().flatten().next() {
-            break e.path();
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let run = wait_for_run_dir(p.path());
     let ckpt = wait_for(
         &run.join("checkpoints/step-2/state.json"),
         Duration::from_secs(300),

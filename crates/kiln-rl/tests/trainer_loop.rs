@@ -205,6 +205,24 @@ fn trainer_with(
     )
 }
 
+/// A trainer over the learnable 8 x 4 bandit with `opts`, sampling hot from `hot_from`.
+fn bandit_trainer(o: TrainerOptions, hot_from: Option<(u64, f32)>) -> Trainer<Bandit> {
+    let device = Device::flex().autodiff();
+    Trainer::new(
+        Bandit {
+            groups: 8,
+            g: 4,
+            nan_rewards: false,
+            constant: false,
+            hot_from,
+        },
+        Table::new(&device),
+        device,
+        o,
+        Box::new(NullSink),
+    )
+}
+
 fn logits(t: &Trainer<Bandit>) -> Vec<f32> {
     t.model().logits.val().into_data().try_into_vec().unwrap()
 }
@@ -309,20 +327,7 @@ fn a_task_that_scores_another_distribution_than_it_samples_fails_the_step() {
         assert_eq!(m["ratio/first_minibatch_max_abs_diff"], 0.0, "{m:?}");
     }
     let d = tempfile::tempdir().unwrap();
-    let device = Device::flex().autodiff();
-    let mut t = Trainer::new(
-        Bandit {
-            groups: 8,
-            g: 4,
-            nan_rewards: false,
-            constant: false,
-            hot_from: Some((3, 0.5)),
-        },
-        Table::new(&device),
-        device,
-        opts(d.path(), 10),
-        Box::new(NullSink),
-    );
+    let mut t = bandit_trainer(opts(d.path(), 10), Some((3, 0.5)));
     for _ in 0..3 {
         t.train_step().unwrap();
     }
@@ -355,22 +360,9 @@ fn zero_advantages_at_the_reference_give_a_zero_update() {
 #[test]
 fn placebo_rewards_do_not_teach_the_bandit() {
     let d = tempfile::tempdir().unwrap();
-    let device = Device::flex().autodiff();
     let mut o = opts(d.path(), 30);
     o.trainer.placebo_rewards = true;
-    let mut t = Trainer::new(
-        Bandit {
-            groups: 8,
-            g: 4,
-            nan_rewards: false,
-            constant: false,
-            hot_from: None,
-        },
-        Table::new(&device),
-        device,
-        o,
-        Box::new(NullSink),
-    );
+    let mut t = bandit_trainer(o, None);
     let s = t.run().unwrap();
     let p = s.eval["eval/p_best"];
     eprintln!(

@@ -400,6 +400,38 @@ fn llm_judge_scores_fresh_searches_and_zeroes_duplicates() {
     assert_eq!(u[0] == 1.0, lp(" yes") > lp(" no"));
 }
 
+/// A Search-R2 task over the fixture with G = 3, the refiner on and cutting every trajectory it
+/// sees (margin -1e9), `joint` as given, `questions` per step, `max_turns` turns and `sampling`.
+fn revising_task(
+    f: &Fixture,
+    sampling: SamplingConfig,
+    questions: usize,
+    max_turns: usize,
+    joint: bool,
+    seed: u64,
+) -> SearchTask {
+    let mut cfg = SearchTaskConfig {
+        questions_per_step: questions,
+        sampling,
+        ..SearchTaskConfig::default()
+    };
+    cfg.batch.group_size = 3;
+    cfg.batch.protocol.max_turns = max_turns;
+    cfg.batch.refiner.enabled = true;
+    cfg.batch.refiner.joint = joint;
+    cfg.batch.refiner.margin = -1e9;
+    SearchTask::new(
+        cfg,
+        f.tok.clone(),
+        PromptTemplate::search_r1(),
+        f.search.clone(),
+        f.world.examples(Split::Train),
+        f.world.examples(Split::Dev),
+        seed,
+    )
+    .unwrap()
+}
+
 /// The task-level guard of the policy ratio: batched, left-padded, multi-turn rollouts with
 /// observations and refiner revisions (margin -1e9: every trajectory the refiner sees is cut and
 /// regenerated), sampled at T = 1 and T = 0.7; the re-scored log-prob of every policy token
@@ -410,30 +442,12 @@ fn rescored_policy_tokens_match_sampling_at_the_sampling_temperature_with_revisi
     let f = fixture();
     let m = model(f.tok.vocab_size(), 11);
     for temperature in [1.0f32, 0.7] {
-        let mut cfg = SearchTaskConfig {
-            questions_per_step: 3,
-            sampling: SamplingConfig {
-                max_new_tokens: 20,
-                temperature,
-                ..Default::default()
-            },
-            ..SearchTaskConfig::default()
+        let sampling = SamplingConfig {
+            max_new_tokens: 20,
+            temperature,
+            ..Default::default()
         };
-        cfg.batch.group_size = 3;
-        cfg.batch.protocol.max_turns = 3;
-        cfg.batch.refiner.enabled = true;
-        cfg.batch.refiner.joint = true;
-        cfg.batch.refiner.margin = -1e9;
-        let mut task = SearchTask::new(
-            cfg,
-            f.tok.clone(),
-            PromptTemplate::search_r1(),
-            f.search.clone(),
-            f.world.examples(Split::Train),
-            f.world.examples(Split::Dev),
-            2,
-        )
-        .unwrap();
+        let mut task = revising_task(f, sampling, 3, 3, true, 2);
         let mut rng = ChaCha8Rng::seed_from_u64(17);
         let r = task.rollout(&m, 0, &mut rng).unwrap();
         let n = r.rewards.len();
@@ -485,29 +499,11 @@ fn refiner_decision_tokens_are_in_the_loss_only_with_joint_optimisation() {
     let f = fixture();
     let m = model(f.tok.vocab_size(), 13);
     for joint in [true, false] {
-        let mut cfg = SearchTaskConfig {
-            questions_per_step: 2,
-            sampling: SamplingConfig {
-                max_new_tokens: 16,
-                ..Default::default()
-            },
-            ..SearchTaskConfig::default()
+        let sampling = SamplingConfig {
+            max_new_tokens: 16,
+            ..Default::default()
         };
-        cfg.batch.group_size = 3;
-        cfg.batch.protocol.max_turns = 2;
-        cfg.batch.refiner.enabled = true;
-        cfg.batch.refiner.joint = joint;
-        cfg.batch.refiner.margin = -1e9;
-        let mut task = SearchTask::new(
-            cfg,
-            f.tok.clone(),
-            PromptTemplate::search_r1(),
-            f.search.clone(),
-            f.world.examples(Split::Train),
-            f.world.examples(Split::Dev),
-            4,
-        )
-        .unwrap();
+        let mut task = revising_task(f, sampling, 2, 2, joint, 4);
         let mut rng = ChaCha8Rng::seed_from_u64(23);
         let r = task.rollout(&m, 0, &mut rng).unwrap();
         let (ta, td) = r.data.widths();
