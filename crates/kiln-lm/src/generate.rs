@@ -347,8 +347,39 @@ pub fn score_tokens(
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
 ) -> Tensor<2> {
+    let logp = next_token_log_softmax(model, tokens.clone(), attention_mask, temperature);
+    gather_next(logp, tokens)
+}
+
+/// [`score_tokens`] plus the entropy `[B, T-1]` of each next-token distribution (the same
+/// `log_softmax(logits / temperature)`), computed from one forward. The entropy is detached:
+/// differentiating it would keep a second `[B, T-1, vocab]` tensor alive for the backward pass,
+/// so it is for logging, not for an entropy bonus.
+pub fn score_tokens_with_entropy(
+    model: &Transformer,
+    tokens: Tensor<2, Int>,
+    attention_mask: Tensor<2, Bool>,
+    temperature: f32,
+) -> (Tensor<2>, Tensor<2>) {
+    let logp = next_token_log_softmax(model, tokens.clone(), attention_mask, temperature);
+    let [b, t1, _] = logp.dims();
+    let entropy = {
+        let l = logp.clone().detach();
+        (l.clone().exp() * l).sum_dim(2).reshape([b, t1]).neg()
+    };
+    (gather_next(logp, tokens), entropy)
+}
+
+/// `log_softmax(logits[:, :-1] / temperature)`, shape `[B, T-1, V]`: entry `p` is the
+/// distribution of token `p + 1`.
+fn next_token_log_softmax(
+    model: &Transformer,
+    tokens: Tensor<2, Int>,
+    attention_mask: Tensor<2, Bool>,
+    temperature: f32,
+) -> Tensor<3> {
     let [b, t] = tokens.dims();
-    let logits = model.forward_masked(tokens.clone(), attention_mask);
+    let logits = model.forward_masked(tokens, attention_mask);
     let v = logits.dims()[2];
     let logits = logits.slice([0..b, 0..t - 1, 0..v]);
     let logits = if temperature != 1.0 {
@@ -356,7 +387,12 @@ pub fn score_tokens(
     } else {
         logits
     };
-    let logp = log_softmax(logits, 2);
+    log_softmax(logits, 2)
+}
+
+/// `logp[:, p, tokens[:, p + 1]]`, shape `[B, T-1]`.
+fn gather_next(logp: Tensor<3>, tokens: Tensor<2, Int>) -> Tensor<2> {
+    let [b, t] = tokens.dims();
     let targets = tokens.slice([0..b, 1..t]).reshape([b, t - 1, 1]);
     logp.gather(2, targets).reshape([b, t - 1])
 }
@@ -397,6 +433,29 @@ mod tests {
             for (a, b) in single.logprobs[0].iter().zip(&batched.logprobs[i]) {
                 assert!((a - b).abs() < 1e-4);
             }
+        }
+    }
+
+    #[test]
+    fn scoring_with_entropy_matches_scoring_and_a_flat_distribution_has_ln_v() {
+        let m = model();
+        let device = m.device();
+        let toks = int2(&device, vec![1, 2, 3, 4, 5, 6], [1, 6]);
+        let mask = bool2(&device, vec![true; 6], [1, 6]);
+        let plain: Vec<f32> = score_tokens(&m, toks.clone(), mask.clone(), 0.7)
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .unwrap();
+        let (lp, ent) = score_tokens_with_entropy(&m, toks.clone(), mask.clone(), 0.7);
+        let lp: Vec<f32> = lp.into_data().try_into_vec_as::<f32>().unwrap();
+        assert_eq!(lp, plain);
+        let ent: Vec<f32> = ent.into_data().try_into_vec_as::<f32>().unwrap();
+        let ln_v = (m.config().vocab_size as f32).ln();
+        assert!(ent.iter().all(|e| *e > 0.0 && *e < ln_v), "{ent:?}");
+        // At a huge temperature every next-token distribution is flat: entropy = ln V.
+        let (_, flat) = score_tokens_with_entropy(&m, toks, mask, 1e6);
+        for e in flat.into_data().try_into_vec_as::<f32>().unwrap() {
+            assert!((e - ln_v).abs() < 1e-3, "{e} vs ln V = {ln_v}");
         }
     }
 

@@ -13,7 +13,9 @@ pub mod weights;
 pub mod zoo;
 
 pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
-pub use generate::{FinishReason, Generation, SamplingConfig, generate, score_tokens};
+pub use generate::{
+    FinishReason, Generation, SamplingConfig, generate, score_tokens, score_tokens_with_entropy,
+};
 pub use gguf::load_gguf;
 pub use model::{KvCache, Transformer, positions_from_mask};
 pub use tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};

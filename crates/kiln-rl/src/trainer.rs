@@ -526,17 +526,22 @@ impl<T: RlTask> Trainer<T> {
             .trainer
             .placebo_rewards
             .then(|| group_permutation(groups, self.opts.seed, self.step));
-        let (rewards_for_adv, step_rewards_for_adv) = match &placebo {
+        // The rewards the advantages see: the rollout's own, or (placebo) another group's.
+        let (placebo_rewards, placebo_step_rewards) = match &placebo {
             Some(perm) => (
-                permute_groups(&rollout.rewards, rollout.group_size, perm),
+                Some(permute_groups(&rollout.rewards, rollout.group_size, perm)),
                 rollout
                     .step_rewards
                     .as_ref()
                     .map(|sr| permute_groups(sr, rollout.group_size, perm)),
             ),
-            None => (rollout.rewards.clone(), rollout.step_rewards.clone()),
+            None => (None, None),
         };
-        let adv: Vec<f32> = match (&step_rewards_for_adv, alg.reward_to_go) {
+        let rewards_for_adv = placebo_rewards.as_ref().unwrap_or(&rollout.rewards);
+        let step_rewards_for_adv = placebo_step_rewards
+            .as_ref()
+            .or(rollout.step_rewards.as_ref());
+        let adv: Vec<f32> = match (step_rewards_for_adv, alg.reward_to_go) {
             (Some(sr), true) => {
                 let a = batch_reward_to_go_advantages(sr, rollout.group_size, alg.advantage);
                 let mut out = vec![0f32; n * t];
@@ -548,7 +553,7 @@ impl<T: RlTask> Trainer<T> {
                 out
             }
             _ => {
-                let a = batch_advantages(&rewards_for_adv, rollout.group_size, alg.advantage);
+                let a = batch_advantages(rewards_for_adv, rollout.group_size, alg.advantage);
                 a.iter()
                     .flat_map(|&x| std::iter::repeat_n(x as f32, t))
                     .collect()

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln_lm::{SamplingConfig, Tokenizer, Transformer};
+use kiln_lm::{SamplingConfig, Tokenizer, Transformer, score_tokens_with_entropy};
 use kiln_rl::{EpochSampler, RlTask, Rollout, Scored, TaskError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -375,8 +375,8 @@ fn fit_window(mut ids: Vec<u32>, extra: usize, window: usize) -> Vec<u32> {
 /// Log-probs `[b, width]` of the tokens `rows[i][start[i] + k]`, `k < width` (0 where the row is
 /// shorter), under `log_softmax(logits / temperature)`: the distribution the tokens were drawn
 /// from (the sampling temperature for the actor's tokens, 1 for the refiner's decision); and the
-/// entropy of that distribution at the same positions, detached (for logging: differentiating it
-/// would keep a `[b, w, vocab]` tensor per minibatch alive for the backward pass).
+/// entropy of that distribution at the same positions, detached (see
+/// [`score_tokens_with_entropy`]).
 fn gather_actions(
     model: &Transformer,
     rows: &[Vec<u32>],
@@ -391,22 +391,8 @@ fn gather_actions(
         let z = Tensor::zeros([b, width.max(1)], &device).slice([0..b, 0..width]);
         return (z.clone(), z);
     }
-    // [b, w-1, V]: entry p = the distribution of token p+1.
-    let logits = model.forward_masked(toks.clone(), mask);
-    let v = logits.dims()[2];
-    let logits = logits.slice([0..b, 0..w - 1, 0..v]);
-    let logits = if temperature != 1.0 {
-        logits.div_scalar(temperature)
-    } else {
-        logits
-    };
-    let logp_all = burn::tensor::activation::log_softmax(logits, 2);
-    let ent = {
-        let la = logp_all.clone().detach();
-        (la.clone().exp() * la).sum_dim(2).reshape([b, w - 1]).neg()
-    };
-    let targets = toks.slice([0..b, 1..w]).reshape([b, w - 1, 1]);
-    let lp = logp_all.gather(2, targets).reshape([b, w - 1]);
+    // [b, w-1]: entry p = log p(token p+1), and the entropy of that distribution.
+    let (lp, ent) = score_tokens_with_entropy(model, toks, mask, temperature);
     let mut idx = Vec::with_capacity(b * width);
     for (r, &s) in rows.iter().zip(start) {
         for k in 0..width {

@@ -61,7 +61,6 @@ impl CliTask for GrpoSequence {
     fn train(&self, r: &SequenceRecipe, run: &mut Run<'_>) -> anyhow::Result<()> {
         let device = run.device()?;
         let seed = run.common.seed;
-        tracing::info!("grpo_sequence: run directory {}", run.run_dir.display());
         sequence::train(&r.model, &r.sequence, &device, seed, run)?;
         Ok(())
     }
