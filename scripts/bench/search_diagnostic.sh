@@ -26,7 +26,7 @@ if [ ! -s "$OUT/q16.jsonl" ]; then
 fi
 
 common=(--set "train_data=$OUT/q16.jsonl" --set "eval_data=$OUT/q16.jsonl"
-  --set search.questions_per_step=4 --set search.batch.group_size=8
+  --set search.questions_per_step=4 --set search.batch.group_size=8 --set trainer.mini_batch_size=32
   --set "trainer.steps=$STEPS" --set algorithm.kl_beta=0 --set trainer.eval_every=10
   --set trainer.checkpoint_every=10 --set search.eval_questions=16
   --set final_eval.questions=16 --set "final_eval.modes=[agent]" --set "output_dir=$OUT"
@@ -43,21 +43,24 @@ run() { # name, extra --set args...
   fi
   if [ -n "$dir" ] && ls -d "$dir"/checkpoints/step-* >/dev/null 2>&1; then
     echo "$name: resuming $dir"
-    RAYON_NUM_THREADS=1 "$KILN" train --resume "$dir" > "$OUT/$name.log" 2>&1
+    RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-1} "$KILN" train --resume "$dir" > "$OUT/$name.log" 2>&1
   else
     [ -n "$dir" ] && rm -rf "$dir"
     echo "$name: starting"
-    RAYON_NUM_THREADS=1 "$KILN" train recipes/search_r1.yaml "${common[@]}" --set "name=$name" "$@" \
+    RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-1} "$KILN" train recipes/search_r1.yaml "${common[@]}" --set "name=$name" "$@" \
       > "$OUT/$name.log" 2>&1
   fi
   echo "$name: finished"
 }
 
-# 2. Two lanes: (lr 3e-4, placebo at lr 3e-4), (warm start, lr 1e-4, lr 1e-3). "warm-start" is one
-# step at lr 1e-12 (the recipe refuses 0): its evaluation is the warm-started policy's EM on the 16 questions (step 0).
+# 2. "warm-start" is one step at lr 1e-12 (the recipe refuses 0): its evaluation is the warm-started
+# policy's EM on the 16 questions (step 0). It runs first and alone, with every thread: when the
+# recipe's warm-start folder is missing it creates it, which the other runs then share.
+RAYON_NUM_THREADS=${WARM_THREADS:-2} run warm-start --set optim.lr=1e-12 --set trainer.steps=1
+# 3. Two lanes of one thread each: (lr 3e-4, placebo at lr 3e-4), (lr 1e-4, lr 1e-3).
 ( run lr3e-4 --set optim.lr=3e-4; run placebo-lr3e-4 --set optim.lr=3e-4 --set trainer.placebo_rewards=true ) &
-( run warm-start --set optim.lr=1e-12 --set trainer.steps=1; run lr1e-4 --set optim.lr=1e-4; run lr1e-3 --set optim.lr=1e-3 ) &
+( run lr1e-4 --set optim.lr=1e-4; run lr1e-3 --set optim.lr=1e-3 ) &
 wait
 
-# 3. The table.
+# 4. The table.
 python3 scripts/bench/search_diagnostic_table.py "$OUT"
