@@ -235,3 +235,53 @@ fn ctrl_c_prints_the_resume_command_which_continues_the_run() {
     let rows = read_metrics(&run.join("metrics.jsonl"));
     assert_eq!(rows.last().unwrap()["step"].as_u64(), Some(newest + 2));
 }
+
+/// A corrupt newest checkpoint (one flipped byte in its weights): `--resume` warns and names the
+/// file, continues from the previous checkpoint, and the metrics equal those of the uninterrupted
+/// run. Before: the flipped byte was loaded silently.
+#[test]
+fn resume_after_a_corrupt_newest_checkpoint_continues_from_the_previous_one() {
+    let common = [
+        "--set",
+        "trainer.steps=8",
+        "--set",
+        "trainer.checkpoint_every=4",
+        "--set",
+        "trainer.keep_checkpoints=3",
+        "--set",
+        "trainer.eval_every=0",
+        "--set",
+        "sequence.length=4",
+    ];
+    let p = scratch_project();
+    let out = run_kiln(p.path(), &train_args(&common));
+    assert!(out.status.success(), "{}", text(&out));
+    let run = only_run_dir(p.path());
+    let rows_a = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows_a.len(), 8);
+    let model = run.join("checkpoints/step-8/model.bpk");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x01;
+    std::fs::write(&model, bytes).unwrap();
+
+    let out = run_kiln(p.path(), &["train", "--resume", run.to_str().unwrap()]);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("step-8") && log.contains("SHA-256") && log.contains("model.bpk"),
+        "no warning naming the corrupt file: {log}"
+    );
+    assert!(
+        log.contains("checkpoints/step-4"),
+        "the fallback is not named: {log}"
+    );
+    let rows_b = read_metrics(&run.join("metrics.jsonl"));
+    let steps: Vec<u64> = rows_b.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<_>>());
+    assert_eq!(
+        comparable(&rows_a),
+        comparable(&rows_b),
+        "metrics after the fallback differ from the uninterrupted run"
+    );
+}

@@ -6,7 +6,7 @@
 //! parameters. The trainer knows nothing else about the task.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -20,7 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 use crate::advantage::{batch_advantages, batch_reward_to_go_advantages};
-use crate::checkpoint::{CheckpointManager, MODEL_FILE, OPTIM_FILE, RngState, TrainerState};
+use crate::checkpoint::{
+    CheckpointManager, MODEL_FILE, OPTIM_FILE, Rejected, RngState, TrainerState, file_digest,
+    no_valid_message, warn_rejected,
+};
 use crate::loss::{LossConfig, LossInputs, LossStats, policy_loss};
 use crate::optim::{OptimConfig, clip_grad_norm};
 
@@ -366,46 +369,122 @@ impl<T: RlTask> Trainer<T> {
         r.clone()
             .save_file(&tmp)
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+        let (bytes, sha) = file_digest(&tmp)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+        let d = self.reference_digest_path();
+        std::fs::write(&d, format!("{bytes} {sha}\n"))
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
         std::fs::rename(&tmp, &path)
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
         Ok(())
     }
 
-    /// Restore the newest complete checkpoint of the run directory. Returns the restored step, or
-    /// `None` when the run has no checkpoint yet.
+    /// Restore the newest valid checkpoint of the run directory. Returns the restored step, or
+    /// `None` when the run has no checkpoint yet. Each checkpoint is verified first
+    /// ([`CheckpointManager::verify`]: manifest digests, step vs folder and metrics, RNG state);
+    /// a corrupt or unloadable newest checkpoint is skipped with a warning naming what was wrong,
+    /// and the next older one is used. Nothing of the trainer changes until a checkpoint has
+    /// loaded completely.
     pub fn resume(&mut self) -> Result<Option<u64>, TrainError> {
-        let Some((step, dir)) = self.ckpt.latest() else {
+        let candidates = self.ckpt.newest_first();
+        if candidates.is_empty() {
             return Ok(None);
-        };
-        let state = CheckpointManager::read_state(&dir)?;
+        }
+        self.verify_reference()?;
+        let mut rejected = Vec::new();
+        for c in candidates {
+            let (step, dir, state) = match c {
+                Ok(x) => x,
+                Err(r) => {
+                    rejected.push(r);
+                    continue;
+                }
+            };
+            match self.restore_from(&dir, state) {
+                Ok(()) => {
+                    for r in &rejected {
+                        warn_rejected(r, &dir);
+                    }
+                    return Ok(Some(step));
+                }
+                Err(e) => rejected.push(Rejected {
+                    dir,
+                    reason: e.to_string(),
+                }),
+            }
+        }
+        Err(TrainError::Checkpoint(no_valid_message(
+            &self.opts.run_dir,
+            &rejected,
+        )))
+    }
+
+    /// Load the tensors of a verified checkpoint, then (only when all of them loaded) replace the
+    /// trainer's state with it.
+    fn restore_from(&mut self, dir: &Path, state: TrainerState) -> Result<(), TrainError> {
         let model_path = dir.join(MODEL_FILE);
-        self.model = self
+        let model = self
             .model
             .clone()
             .try_load_file(&model_path)
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", model_path.display())))?;
         let optim_path = dir.join(OPTIM_FILE);
-        let fresh = self.opts.optim.build();
-        self.optim = fresh
+        let optim = self
+            .opts
+            .optim
+            .build()
             .load(&optim_path)
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", optim_path.display())))?;
-        if self.reference.is_some() && self.reference_path().exists() {
+        let reference = if self.reference.is_some() && self.reference_path().exists() {
             let p = self.reference_path();
-            let r = self
-                .model
-                .valid()
-                .try_load_file(&p)
-                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", p.display())))?;
-            self.reference = Some(r);
-        }
-        self.rng = state.rng.restore().map_err(TrainError::Checkpoint)?;
+            Some(
+                model
+                    .valid()
+                    .try_load_file(&p)
+                    .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", p.display())))?,
+            )
+        } else {
+            self.reference.clone()
+        };
+        let rng = state.rng.restore().map_err(TrainError::Checkpoint)?;
         self.task
             .load_state(&state.task)
             .map_err(|e| TrainError::Task(format!("restoring task state: {e}")))?;
+        self.model = model;
+        self.optim = optim;
+        self.reference = reference;
+        self.rng = rng;
         self.step = state.step;
         self.nonfinite_streak = state.nonfinite_streak;
-        debug_assert_eq!(step, state.step);
-        Ok(Some(step))
+        Ok(())
+    }
+
+    /// The frozen reference's digest file (`reference.bpk.sha256`: size and SHA-256).
+    fn reference_digest_path(&self) -> PathBuf {
+        self.ckpt.dir().join("reference.bpk.sha256")
+    }
+
+    /// Check `reference.bpk` against the digest written with it (when both exist). The reference
+    /// is shared by every checkpoint of the run, so a corrupt one is an error, not a fallback.
+    fn verify_reference(&self) -> Result<(), TrainError> {
+        let (p, d) = (self.reference_path(), self.reference_digest_path());
+        if self.reference.is_none() || !p.is_file() || !d.is_file() {
+            return Ok(());
+        }
+        let want = std::fs::read_to_string(&d)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
+        let (bytes, sha) =
+            file_digest(&p).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", p.display())))?;
+        if want.trim() != format!("{bytes} {sha}") {
+            return Err(TrainError::Checkpoint(format!(
+                "{} does not match {} (size and SHA-256 {bytes} {sha}, recorded {:?}): the KL \
+                 reference of this run is corrupt; restore it from a backup, or start the run over",
+                p.display(),
+                d.display(),
+                want.trim()
+            )));
+        }
+        Ok(())
     }
 
     /// Write a checkpoint of the current state (refuses to write non-finite parameters).

@@ -410,6 +410,18 @@ fn revising_task(
     joint: bool,
     seed: u64,
 ) -> SearchTask {
+    search_task(f, sampling, questions, max_turns, Some(joint), seed)
+}
+
+/// [`revising_task`] with the refiner off when `refiner` is `None` (else `Some(joint)`).
+fn search_task(
+    f: &Fixture,
+    sampling: SamplingConfig,
+    questions: usize,
+    max_turns: usize,
+    refiner: Option<bool>,
+    seed: u64,
+) -> SearchTask {
     let mut cfg = SearchTaskConfig {
         questions_per_step: questions,
         sampling,
@@ -417,8 +429,8 @@ fn revising_task(
     };
     cfg.batch.group_size = 3;
     cfg.batch.protocol.max_turns = max_turns;
-    cfg.batch.refiner.enabled = true;
-    cfg.batch.refiner.joint = joint;
+    cfg.batch.refiner.enabled = refiner.is_some();
+    cfg.batch.refiner.joint = refiner.unwrap_or(false);
     cfg.batch.refiner.margin = -1e9;
     SearchTask::new(
         cfg,
@@ -538,4 +550,101 @@ fn refiner_decision_tokens_are_in_the_loss_only_with_joint_optimisation() {
         }
         assert!(decided > 0, "the refiner decided on no trajectory");
     }
+}
+
+/// A revised row is the kept prefix, id for id as first sampled, followed by the regenerated
+/// steps. The refiner's first pass sees the same trajectories as a run without the refiner (same
+/// seed: the actor's sampler is seeded before the refiner runs), so the refiner-off rollout is the
+/// original of every revised trajectory: the revised row must equal it up to the end of step
+/// `j - 1` (`j` = the refiner's cut, read from its decision tokens) and continue with freshly
+/// sampled tokens (each with the log-prob recorded by the sampler) whose step `j` differs from the
+/// original's.
+#[test]
+fn a_revised_row_is_the_kept_prefix_ids_then_the_regenerated_suffix_ids() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 19);
+    let sampling = SamplingConfig {
+        max_new_tokens: 20,
+        ..Default::default()
+    };
+    let mut revised = search_task(f, sampling.clone(), 3, 3, Some(true), 6);
+    let mut original = search_task(f, sampling, 3, 3, None, 6);
+    let ra = revised
+        .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(29))
+        .unwrap();
+    let rb = original
+        .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(29))
+        .unwrap();
+    assert_eq!(ra.data.len(), rb.data.len());
+    assert!((0..rb.data.len()).all(|i| rb.data.regenerated_from(i).is_none()));
+    let sampled = ra.sampled_logp.as_ref().expect("sampled log-probs");
+    let t = ra.max_actions;
+    let (mut checked, mut differ, mut cut_late) = (0, 0, 0);
+    for i in 0..ra.data.len() {
+        let (row_a, start_a) = ra.data.actor_row(i);
+        let (row_b, start_b) = rb.data.actor_row(i);
+        assert_eq!(start_a, start_b, "same prompt");
+        let Some(k) = ra.data.regenerated_from(i) else {
+            // Only an empty trajectory escapes a refiner that cuts everything.
+            assert!(
+                rb.data.step_ends(i).is_empty(),
+                "trajectory {i} was not revised"
+            );
+            continue;
+        };
+        let (row, s) = ra
+            .data
+            .refiner_row(i)
+            .expect("joint: the decision is in the row");
+        let j: usize = f
+            .tok
+            .decode(&row[s..], false)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(j >= 1);
+        let ends_b = rb.data.step_ends(i);
+        let want = if j == 1 { start_b } else { ends_b[j - 2] };
+        assert_eq!(
+            k, want,
+            "trajectory {i}: cut {j}, original step ends {ends_b:?}"
+        );
+        assert_eq!(
+            &row_a[..k],
+            &row_b[..k],
+            "trajectory {i}: kept prefix ids differ"
+        );
+        // The revised row's own step boundaries agree on the kept steps.
+        assert_eq!(&ra.data.step_ends(i)[..j - 1], &ends_b[..j - 1]);
+        // The suffix is the regenerated steps: every policy token of it was sampled.
+        let mut policy = 0;
+        for p in k..row_a.len() {
+            let a = i * t + (p - start_a);
+            if ra.action_mask[a] > 0.0 {
+                assert!(
+                    sampled[a].is_finite(),
+                    "trajectory {i}: unsampled id at {p}"
+                );
+                policy += 1;
+            }
+        }
+        assert!(policy > 0, "trajectory {i}: nothing regenerated");
+        // Step j itself was regenerated, not kept: its ids differ from the original step j (a
+        // kept step would be identical; 20 tokens sampled at T = 1 do not repeat by chance).
+        let step_a = &row_a[k..ra.data.step_ends(i)[j - 1]];
+        let step_b = &row_b[k..ends_b[j - 1]];
+        differ += usize::from(step_a != step_b);
+        cut_late += usize::from(j > 1);
+        checked += 1;
+    }
+    assert!(checked >= 6, "only {checked} revised trajectories");
+    assert_eq!(
+        differ, checked,
+        "a cut step came back unchanged: it was kept, not regenerated"
+    );
+    assert!(
+        cut_late > 0,
+        "no cut after step 1: the kept prefix was never more than the prompt"
+    );
 }
