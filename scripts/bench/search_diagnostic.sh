@@ -9,10 +9,14 @@
 # unfinished runs from their newest checkpoint (`kiln train --resume`) and skips finished ones.
 # Needs the warm start of recipes/search_r1.yaml (created on first use, ~40-60 min on 2 cores).
 # Usage: bash scripts/bench/search_diagnostic.sh [OUT_DIR]   (from the directory holding recipes/)
+# Replications on other questions: OFFSET=16 (questions 17-32 of the train split), and ONLY="warm-start
+# lr3e-4 placebo-lr3e-4" to run a subset of the runs.
 set -euo pipefail
 KILN=${KILN:-target/release/kiln}
 OUT=${1:-runs/diagnostic}
 STEPS=${STEPS:-60}
+OFFSET=${OFFSET:-0}
+ONLY=${ONLY:-}
 mkdir -p "$OUT"
 
 # 1. The 16 questions: the first 16 of the cached world's train split (same world as the recipes).
@@ -22,7 +26,7 @@ if [ ! -s "$OUT/q16.jsonl" ]; then
     "$KILN" synthetic-world >/dev/null
     train=$(ls datasets/cache/synthetic/*/train.jsonl | head -1)
   fi
-  head -16 "$train" > "$OUT/q16.jsonl"
+  tail -n +"$((OFFSET + 1))" "$train" | head -16 > "$OUT/q16.jsonl"
 fi
 
 common=(--set "train_data=$OUT/q16.jsonl" --set "eval_data=$OUT/q16.jsonl"
@@ -34,6 +38,7 @@ common=(--set "train_data=$OUT/q16.jsonl" --set "eval_data=$OUT/q16.jsonl"
 
 run() { # name, extra --set args...
   local name=$1; shift
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   local dir
   dir=$(ls -d "$OUT/$name"-* 2>/dev/null | head -1 || true)
   local steps=$STEPS
