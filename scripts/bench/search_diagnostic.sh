@@ -26,7 +26,7 @@ if [ ! -s "$OUT/q16.jsonl" ]; then
     "$KILN" synthetic-world >/dev/null
     train=$(ls datasets/cache/synthetic/*/train.jsonl | head -1)
   fi
-  tail -n +"$((OFFSET + 1))" "$train" | head -16 > "$OUT/q16.jsonl"
+  sed -n "$((OFFSET + 1)),$((OFFSET + 16))p" "$train" > "$OUT/q16.jsonl"
 fi
 
 common=(--set "train_data=$OUT/q16.jsonl" --set "eval_data=$OUT/q16.jsonl"
