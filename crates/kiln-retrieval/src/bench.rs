@@ -1,8 +1,13 @@
 //! `kiln bench-retriever`: index build time, single-thread and batch QPS, recall@k, and server p50/p99 latency
 //! under concurrent clients; optionally side by side with the Python peer `bm25s`
 //! (`scripts/retrieval/bench_bm25s.py --out FILE`, then `--peer FILE`). It measures and prints; it asserts nothing.
+//!
+//! With `--url` only the latency measurement runs, against an already running server (e.g. another build of
+//! `kiln serve-retriever`); with `--idle-connections N` it first opens N idle connections and reports how fast
+//! `/health` answers a new client while they are open.
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,6 +38,12 @@ pub struct BenchConfig {
     pub requests_per_client: usize,
     /// Results of the bm25s peer script (one file per run, e.g. per bm25s backend), printed side by side.
     pub peers: Vec<PathBuf>,
+    /// Bearer token the server requires and the clients send.
+    pub token: Option<String>,
+    /// Measure only the latency of this running server's `/retrieve` (no index build, no QPS).
+    pub url: Option<String>,
+    /// Idle connections held open during the latency measurement.
+    pub idle_connections: usize,
 }
 
 /// Server latency figures.
@@ -50,6 +61,61 @@ pub struct LatencyReport {
     pub p99_ms: f64,
     /// Requests per second over the whole run.
     pub rps: f64,
+    /// Whether the clients sent a bearer token.
+    pub token: bool,
+    /// Idle connections opened before the run.
+    pub idle_connections: usize,
+    /// Of those, how many the server still held open after the run (it closes the longest-idle ones beyond its
+    /// connection cap).
+    pub idle_connections_kept: usize,
+    /// `/health` latency of a new client while the idle connections were open: median and maximum of
+    /// [`HEALTH_PROBES`] probes in milliseconds (`None` without idle connections or if a probe failed).
+    pub health_p50_ms: Option<f64>,
+    /// See `health_p50_ms`.
+    pub health_max_ms: Option<f64>,
+}
+
+/// `/health` probes made while the idle connections are open.
+pub const HEALTH_PROBES: usize = 20;
+
+/// One `GET /health` on a new connection; its latency in milliseconds, or `None` if it failed or took over 10 s.
+pub fn health_probe(addr: SocketAddr) -> Option<f64> {
+    let t = Instant::now();
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: kiln\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).ok()?;
+    out.starts_with(b"HTTP/1.1 200")
+        .then(|| t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Opens `n` connections to `addr` that send nothing (stops early if the client runs out of file descriptors).
+pub fn open_idle_connections(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+            Ok(s) => out.push(s),
+            Err(e) => {
+                println!("idle connections: stopped after {i} of {n}: {e} (raise `ulimit -n`?)");
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// How many of `conns` the server has not closed (a non-blocking read finds neither EOF nor an error).
+pub fn still_open(conns: &[TcpStream]) -> usize {
+    conns
+        .iter()
+        .filter(|s| {
+            let _ = s.set_nonblocking(true);
+            let mut b = [0u8; 1];
+            matches!((&**s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
+        .count()
 }
 
 /// Everything `kiln bench-retriever` measured.
@@ -106,17 +172,38 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
-/// Fires `clients` x `per_client` single-query requests at `url` and measures latency.
+/// Fires `clients` x `per_client` single-query requests at `url` (with `token` as bearer token, if any) and
+/// measures latency. With `idle_connections > 0` it first opens that many idle connections, probes `/health` while
+/// they are open, and keeps them open during the run.
 pub fn load_test(
     url: &str,
+    token: Option<&str>,
     questions: &[String],
     clients: usize,
     per_client: usize,
+    idle_connections: usize,
 ) -> LatencyReport {
+    let addr = url
+        .strip_prefix("http://")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|hp| hp.to_socket_addrs().ok())
+        .and_then(|mut a| a.next());
+    let idle = match (addr, idle_connections) {
+        (Some(a), n) if n > 0 => open_idle_connections(a, n),
+        _ => Vec::new(),
+    };
+    let mut health: Vec<f64> = Vec::new();
+    if let (Some(a), false) = (addr, idle.is_empty()) {
+        std::thread::sleep(Duration::from_millis(200));
+        health = (0..HEALTH_PROBES).filter_map(|_| health_probe(a)).collect();
+        health.sort_by(|a, b| a.total_cmp(b));
+    }
+    let health_ok = !idle.is_empty() && health.len() == HEALTH_PROBES;
     let start = Instant::now();
     let handles: Vec<_> = (0..clients)
         .map(|c| {
             let url = url.to_string();
+            let token = token.map(|t| format!("Bearer {t}"));
             let qs: Vec<String> = questions.to_vec();
             std::thread::spawn(move || {
                 let client = reqwest::blocking::Client::builder()
@@ -132,7 +219,11 @@ pub fn load_test(
                     let body =
                         serde_json::json!({"queries": [q], "topk": 3, "return_scores": true});
                     let t = Instant::now();
-                    let r = client.post(&url).json(&body).send().and_then(|r| {
+                    let mut req = client.post(&url).json(&body);
+                    if let Some(t) = &token {
+                        req = req.header("authorization", t);
+                    }
+                    let r = req.send().and_then(|r| {
                         let s = r.status();
                         r.bytes().map(|_| s)
                     });
@@ -155,6 +246,7 @@ pub fn load_test(
     }
     let secs = start.elapsed().as_secs_f64();
     all.sort_by(|a, b| a.total_cmp(b));
+    let kept = still_open(&idle);
     LatencyReport {
         clients,
         requests: clients * per_client,
@@ -162,7 +254,61 @@ pub fn load_test(
         p50_ms: percentile(&all, 50.0),
         p99_ms: percentile(&all, 99.0),
         rps: all.len() as f64 / secs.max(1e-9),
+        token: token.is_some(),
+        idle_connections: idle.len(),
+        idle_connections_kept: kept,
+        health_p50_ms: health_ok.then(|| percentile(&health, 50.0)),
+        health_max_ms: health_ok.then(|| health[health.len() - 1]),
     }
+}
+
+fn print_latency(lat: &LatencyReport, per_client: usize) {
+    println!(
+        "server: {} clients x {per_client} requests{}: {}/{} ok ({} errors), p50 {:.2} ms, p99 {:.2} ms, {:.0} req/s",
+        lat.clients,
+        if lat.token { " with a token" } else { "" },
+        lat.ok,
+        lat.requests,
+        lat.requests - lat.ok,
+        lat.p50_ms,
+        lat.p99_ms,
+        lat.rps
+    );
+    if lat.idle_connections > 0 {
+        match (lat.health_p50_ms, lat.health_max_ms) {
+            (Some(p50), Some(max)) => println!(
+                "/health with {} idle connections open: p50 {p50:.2} ms, max {max:.2} ms over {HEALTH_PROBES} \
+                 probes; the server kept {} of them open",
+                lat.idle_connections, lat.idle_connections_kept
+            ),
+            _ => println!(
+                "/health with {} idle connections open: a probe FAILED or took over 10 s",
+                lat.idle_connections
+            ),
+        }
+    }
+}
+
+/// Only the latency measurement, against the running server at `url` (`kiln bench-retriever --url`).
+pub fn run_load_only(cfg: &BenchConfig, url: &str) -> Result<LatencyReport, Error> {
+    let qa = load_qa(&cfg.queries)?;
+    if qa.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: no questions",
+            cfg.queries.display()
+        )));
+    }
+    let queries: Vec<String> = qa.into_iter().map(|q| q.question).collect();
+    let lat = load_test(
+        url,
+        cfg.token.as_deref(),
+        &queries,
+        cfg.clients,
+        cfg.requests_per_client,
+        cfg.idle_connections,
+    );
+    print_latency(&lat, cfg.requests_per_client);
+    Ok(lat)
 }
 
 /// CPU time consumed by the calling thread, in nanoseconds (Linux `/proc/thread-self/schedstat`; `None` elsewhere).
@@ -255,21 +401,23 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, Error> {
     }
     let server = spawn(
         r.clone() as Arc<dyn Retriever>,
-        ServerConfig::default(),
+        ServerConfig {
+            token: cfg.token.clone(),
+            ..Default::default()
+        },
         SocketAddr::from(([127, 0, 0, 1], 0)),
         0,
     )?;
     let lat = load_test(
         &server.retrieve_url(),
+        cfg.token.as_deref(),
         &queries,
         cfg.clients,
         cfg.requests_per_client,
+        cfg.idle_connections,
     );
     server.shutdown()?;
-    println!(
-        "server: {} clients x {} requests: {}/{} ok, p50 {:.2} ms, p99 {:.2} ms, {:.0} req/s",
-        lat.clients, cfg.requests_per_client, lat.ok, lat.requests, lat.p50_ms, lat.p99_ms, lat.rps
-    );
+    print_latency(&lat, cfg.requests_per_client);
     let report = BenchReport {
         build,
         questions: qa.len(),

@@ -4,9 +4,10 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::bench::BenchConfig;
-use crate::corpus::BadLinePolicy;
+use crate::corpus::{BadLinePolicy, DEFAULT_MAX_LINE_BYTES, MAX_LINE_BYTES_ENV};
 use crate::index::{BuildOptions, IndexRetriever, build_index};
 use crate::server::{ServerConfig, serve, shutdown_signal};
 use crate::{Error, Retriever};
@@ -44,6 +45,23 @@ pub struct IndexArgs {
     /// Keep tantivy's segments instead of merging them into one.
     #[arg(long)]
     pub no_merge: bool,
+    /// Longest accepted corpus line in bytes; a longer line stops with a `file:line` error.
+    #[arg(long, env = MAX_LINE_BYTES_ENV, default_value_t = DEFAULT_MAX_LINE_BYTES)]
+    pub max_line_bytes: usize,
+}
+
+/// Parses a duration in seconds (`10`, `0.5`).
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v > 0.0 && v <= 86_400.0) {
+        return Err(format!(
+            "{s:?}: give a number of seconds above 0 and at most 86400"
+        ));
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 /// `kiln serve-retriever --index INDEX_DIR`: serve Search-R1's `/retrieve` API.
@@ -76,13 +94,59 @@ pub struct ServeArgs {
     /// Largest accepted request body in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Most passages per request (queries x topk); more is refused with a 422.
+    #[arg(long, default_value_t = 16_384)]
+    pub max_results: usize,
+    /// Largest answer in bytes; a request whose passages would not fit is refused with a 422.
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    pub max_response_bytes: usize,
+    /// Bytes of answers held in memory at once (mostly not yet read by their clients); beyond it, 503.
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub max_pending_response_bytes: usize,
+    /// Requests searched at the same time (0 = 2 x CPUs).
+    #[arg(long, default_value_t = 0)]
+    pub max_concurrent_searches: usize,
+    /// Open connections at most; beyond it the longest-idle connection is closed (keep it below `ulimit -n`).
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Seconds for a request head to arrive (also how long a connection may stay open without a request).
+    #[arg(long, value_parser = parse_secs, default_value = "10")]
+    pub header_read_timeout: Duration,
+    /// Seconds for a request body to arrive (else 408).
+    #[arg(long, value_parser = parse_secs, default_value = "30")]
+    pub body_timeout: Duration,
+    /// Seconds after which a connection with no request being handled and no bytes moving is closed.
+    #[arg(long, value_parser = parse_secs, default_value = "30")]
+    pub idle_timeout: Duration,
+}
+
+impl ServeArgs {
+    /// The server configuration these flags describe.
+    pub fn server_config(&self) -> ServerConfig {
+        ServerConfig {
+            token: self.token.clone().filter(|t| !t.is_empty()),
+            max_body_bytes: self.max_body_bytes,
+            max_topk: self.max_topk,
+            default_topk: self.default_topk,
+            max_queries: self.max_queries,
+            max_query_bytes: self.max_query_bytes,
+            max_results: self.max_results,
+            max_response_bytes: self.max_response_bytes,
+            max_pending_response_bytes: self.max_pending_response_bytes,
+            max_concurrent_searches: self.max_concurrent_searches,
+            max_connections: self.max_connections,
+            header_read_timeout: self.header_read_timeout,
+            body_timeout: self.body_timeout,
+            idle_timeout: self.idle_timeout,
+        }
+    }
 }
 
 /// `kiln bench-retriever`: index build time, QPS, recall, server latency.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     /// Corpus file(s) to index and query.
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "url")]
     pub corpus: Vec<PathBuf>,
     /// QA file with `question` and `supporting_passage_ids` (e.g. gold_context_union_qa.jsonl).
     #[arg(long)]
@@ -111,6 +175,18 @@ pub struct BenchArgs {
     /// Write the kiln figures as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Bearer token: the benchmark's server requires it and its clients send it.
+    #[arg(long, env = "KILN_RETRIEVER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Only run the latency measurement, against this running server (`http://HOST:PORT/retrieve`), instead of
+    /// building an index and starting a server (`--corpus` is then not read).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Idle connections to open to the server before the latency measurement (kept open during it); the
+    /// benchmark reports how fast `/health` answers a new client meanwhile. Needs `ulimit -n` above twice this
+    /// when the benchmark starts its own server.
+    #[arg(long, default_value_t = 0)]
+    pub idle_connections: usize,
 }
 
 /// Run `kiln index`.
@@ -125,6 +201,7 @@ pub fn run_index(args: IndexArgs) -> Result<(), CliError> {
         },
         progress: true,
         merge: !args.no_merge,
+        max_line_bytes: args.max_line_bytes,
     };
     let s = build_index(&args.corpus, &args.out, &opts)?;
     println!(
@@ -155,17 +232,10 @@ pub fn run_serve(args: ServeArgs) -> Result<(), CliError> {
             }
         );
     }
+    let cfg = args.server_config();
+    cfg.validate()?;
     let retriever = IndexRetriever::open(&args.index)?;
     let num_docs = retriever.num_docs();
-    let cfg = ServerConfig {
-        token: args.token.filter(|t| !t.is_empty()),
-        max_body_bytes: args.max_body_bytes,
-        max_topk: args.max_topk,
-        default_topk: args.default_topk,
-        max_queries: args.max_queries,
-        max_query_bytes: args.max_query_bytes,
-        max_concurrent_searches: 0,
-    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -190,6 +260,7 @@ pub fn run_serve(args: ServeArgs) -> Result<(), CliError> {
 pub fn run_bench(args: BenchArgs) -> Result<(), CliError> {
     let tmp;
     let index_dir = match &args.index_dir {
+        _ if args.url.is_some() => PathBuf::new(),
         Some(d) => d.clone(),
         None => {
             tmp = tempfile_dir()?;
@@ -206,7 +277,19 @@ pub fn run_bench(args: BenchArgs) -> Result<(), CliError> {
         clients: args.clients,
         requests_per_client: args.requests,
         peers: args.peer,
+        token: args.token.filter(|t| !t.is_empty()),
+        url: args.url,
+        idle_connections: args.idle_connections,
     };
+    if let Some(url) = &cfg.url {
+        let lat = crate::bench::run_load_only(&cfg, url)?;
+        if let Some(p) = args.json {
+            let text =
+                serde_json::to_string_pretty(&lat).map_err(|e| CliError::Usage(e.to_string()))?;
+            std::fs::write(&p, text).map_err(|e| Error::io(&p, e))?;
+        }
+        return Ok(());
+    }
     let result = crate::bench::run(&cfg);
     if let (None, Some(parent)) = (&args.index_dir, index_dir.parent()) {
         let _ = std::fs::remove_dir_all(parent);
@@ -239,6 +322,7 @@ mod tests {
             heap_mb: 15,
             strict,
             no_merge: false,
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
         }
     }
 
@@ -312,6 +396,66 @@ mod tests {
         assert!(matches!(c, TestCli::BenchRetriever(a) if a.corpus.len() == 2 && a.clients == 32));
     }
 
+    /// The flags' defaults are [`ServerConfig::default`] (so the documented defaults hold for the command too).
+    #[test]
+    fn serve_flag_defaults_match_server_config_defaults() {
+        use clap::Parser;
+        let TestCli::ServeRetriever(a) =
+            TestCli::try_parse_from(["kiln", "serve-retriever", "--index", "i"]).unwrap()
+        else {
+            panic!("parsed another command")
+        };
+        assert_eq!(
+            format!("{:?}", a.server_config()),
+            format!("{:?}", ServerConfig::default())
+        );
+        let TestCli::ServeRetriever(a) = TestCli::try_parse_from([
+            "kiln",
+            "serve-retriever",
+            "--index",
+            "i",
+            "--header-read-timeout",
+            "0.25",
+            "--max-connections",
+            "7",
+        ])
+        .unwrap() else {
+            panic!("parsed another command")
+        };
+        let c = a.server_config();
+        assert_eq!(c.header_read_timeout, Duration::from_millis(250));
+        assert_eq!(c.max_connections, 7);
+        let e = TestCli::try_parse_from([
+            "kiln",
+            "serve-retriever",
+            "--index",
+            "i",
+            "--idle-timeout",
+            "0",
+        ])
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("above 0"), "{e}");
+    }
+
+    #[test]
+    fn index_command_stops_at_an_over_long_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = dir.path().join("c.jsonl");
+        let mut f = std::fs::File::create(&corpus).unwrap();
+        writeln!(f, r#"{{"id": "1", "text": "fine"}}"#).unwrap();
+        writeln!(f, r#"{{"id": "2", "text": "{}"}}"#, "x".repeat(5000)).unwrap();
+        drop(f);
+        let mut a = args(corpus, dir.path().join("index"), false);
+        a.max_line_bytes = 1000;
+        let e = run_index(a).unwrap_err().to_string();
+        assert!(
+            e.contains("c.jsonl:2:") && e.contains("1000 bytes") && e.contains("--max-line-bytes"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn serve_rejects_bad_host() {
         let e = run_serve(ServeArgs {
@@ -324,6 +468,14 @@ mod tests {
             max_queries: 10,
             max_query_bytes: 100,
             max_body_bytes: 1000,
+            max_results: 100,
+            max_response_bytes: 1000,
+            max_pending_response_bytes: 1000,
+            max_concurrent_searches: 0,
+            max_connections: 10,
+            header_read_timeout: Duration::from_secs(1),
+            body_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
         })
         .unwrap_err();
         assert!(e.to_string().contains("--host"), "{e}");

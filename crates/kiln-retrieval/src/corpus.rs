@@ -16,15 +16,100 @@
 //! with a warning (the first [`MAX_LOGGED_BAD_LINES`] individually, then only a count) and indexing goes on; the
 //! build report says how many lines were skipped. With [`BadLinePolicy::Fail`] (`kiln index --strict`) the first bad
 //! line aborts with that error. A corpus with no usable passage at all is always an error.
+//!
+//! **Line length.** A line longer than the reader's limit ([`default_max_line_bytes`]: 16 MiB unless the
+//! environment variable [`MAX_LINE_BYTES_ENV`] says otherwise; `kiln index --max-line-bytes`) is always an error,
+//! whatever the policy: it is detected while reading (also inside a gzip stream) after buffering at most the
+//! limit, so a small compressed file holding one enormous line cannot exhaust memory.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use crate::Error;
 
 /// How many bad lines are logged one by one before only counting them.
 pub const MAX_LOGGED_BAD_LINES: usize = 20;
+
+/// Longest line (in bytes, without its newline) read from a corpus or QA file unless configured otherwise.
+pub const DEFAULT_MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Environment variable that overrides [`DEFAULT_MAX_LINE_BYTES`] (a byte count), for commands without a flag.
+pub const MAX_LINE_BYTES_ENV: &str = "KILN_MAX_LINE_BYTES";
+
+/// The line-length limit to use by default: [`MAX_LINE_BYTES_ENV`] if set to a positive integer, else
+/// [`DEFAULT_MAX_LINE_BYTES`] (an unparsable value is ignored with a warning).
+pub fn default_max_line_bytes() -> usize {
+    match std::env::var(MAX_LINE_BYTES_ENV) {
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                tracing::warn!(
+                    "{MAX_LINE_BYTES_ENV}={v:?} is not a positive byte count; using {DEFAULT_MAX_LINE_BYTES}"
+                );
+                DEFAULT_MAX_LINE_BYTES
+            }
+        },
+        Err(_) => DEFAULT_MAX_LINE_BYTES,
+    }
+}
+
+/// What [`read_line_capped`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineRead {
+    /// A line (with its `\n`, unless it is the last line of the file) was appended to the buffer.
+    Line,
+    /// End of input: nothing was read.
+    Eof,
+    /// The line is longer than the limit; the buffer holds at most the limit's worth of its start and the reader
+    /// is left inside the line.
+    TooLong,
+}
+
+/// Appends the next line of `reader` to `buf` unless it has more than `max` bytes before its newline. Reads the
+/// reader's buffer chunk by chunk, so an over-long line is detected after buffering at most `max` bytes of it.
+pub fn read_line_capped(
+    reader: &mut (impl BufRead + ?Sized),
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<LineRead> {
+    let start = buf.len();
+    loop {
+        let avail = match reader.fill_buf() {
+            Ok(a) => a,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(if buf.len() == start {
+                LineRead::Eof
+            } else {
+                LineRead::Line
+            });
+        }
+        let (take, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        let content = take - usize::from(done);
+        if buf.len() - start + content > max {
+            return Ok(LineRead::TooLong);
+        }
+        buf.extend_from_slice(&avail[..take]);
+        reader.consume(take);
+        if done {
+            return Ok(LineRead::Line);
+        }
+    }
+}
+
+/// The message of an over-long line: the limit and how to raise it.
+pub fn line_too_long_message(max: usize) -> String {
+    format!(
+        "line is longer than the limit of {max} bytes (is this really a JSONL file?); if its rows are this long, \
+         raise the limit with `--max-line-bytes N` (kiln index) or the environment variable {MAX_LINE_BYTES_ENV}=N"
+    )
+}
 
 /// One passage of a corpus.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,10 +205,12 @@ pub struct CorpusLines {
     path: PathBuf,
     reader: Box<dyn BufRead + Send>,
     line_no: usize,
+    max_line_bytes: usize,
 }
 
 impl CorpusLines {
-    /// Opens `path`. `wrap` lets the caller wrap the raw file reader (e.g. a progress bar counting bytes).
+    /// Opens `path` with the line-length limit [`default_max_line_bytes`]. `wrap` lets the caller wrap the raw
+    /// file reader (e.g. a progress bar counting bytes).
     pub fn open_with(
         path: &Path,
         wrap: impl FnOnce(File) -> Box<dyn Read + Send>,
@@ -144,7 +231,14 @@ impl CorpusLines {
             path: path.to_path_buf(),
             reader,
             line_no: 0,
+            max_line_bytes: default_max_line_bytes(),
         })
+    }
+
+    /// Sets the longest accepted line in bytes (see [`read_line_capped`]).
+    pub fn with_max_line_bytes(mut self, max: usize) -> Self {
+        self.max_line_bytes = max;
+        self
     }
 
     /// Opens `path` for reading.
@@ -158,16 +252,23 @@ impl CorpusLines {
     }
 
     /// Reads the next line into `buf` (cleared first). Returns its 1-based line number, or `None` at the end.
+    /// A line over the limit is a `file:line` error (and is never held in memory whole).
     pub fn next_line(&mut self, buf: &mut Vec<u8>) -> Result<Option<usize>, Error> {
         buf.clear();
-        let n = self
-            .reader
-            .read_until(b'\n', buf)
+        let read = read_line_capped(&mut self.reader, buf, self.max_line_bytes)
             .map_err(|e| Error::io(&self.path, e))?;
-        if n == 0 {
+        if read == LineRead::Eof {
             return Ok(None);
         }
         self.line_no += 1;
+        if read == LineRead::TooLong {
+            buf.clear();
+            return Err(Error::BadLine {
+                path: self.path.clone(),
+                line: self.line_no,
+                msg: line_too_long_message(self.max_line_bytes),
+            });
+        }
         Ok(Some(self.line_no))
     }
 }
@@ -329,5 +430,92 @@ mod tests {
         let err = load_corpus(std::slice::from_ref(&p), BadLinePolicy::Fail).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("c.jsonl.gz:2:"), "{msg}");
+    }
+
+    #[test]
+    fn capped_line_reader_keeps_lines_up_to_the_limit() {
+        let mut r = std::io::Cursor::new(b"abc\nabcd\n\nxyz".to_vec());
+        let mut buf = Vec::new();
+        assert_eq!(
+            read_line_capped(&mut r, &mut buf, 3).unwrap(),
+            LineRead::Line
+        );
+        assert_eq!(buf, b"abc\n");
+        buf.clear();
+        assert_eq!(
+            read_line_capped(&mut r, &mut buf, 3).unwrap(),
+            LineRead::TooLong
+        );
+        let mut r = std::io::Cursor::new(b"\nxyz".to_vec());
+        buf.clear();
+        assert_eq!(
+            read_line_capped(&mut r, &mut buf, 3).unwrap(),
+            LineRead::Line
+        );
+        assert_eq!(buf, b"\n");
+        buf.clear();
+        assert_eq!(
+            read_line_capped(&mut r, &mut buf, 3).unwrap(),
+            LineRead::Line
+        );
+        assert_eq!(buf, b"xyz", "last line without a newline");
+        buf.clear();
+        assert_eq!(
+            read_line_capped(&mut r, &mut buf, 3).unwrap(),
+            LineRead::Eof
+        );
+    }
+
+    /// A gzip holding one 5 MiB line, read with a 1 MiB limit: a `file:line` error naming the limit and the way to
+    /// raise it, after buffering only about the limit (the line is never held whole).
+    #[test]
+    fn over_long_gzipped_line_is_an_error_without_buffering_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.jsonl.gz");
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&p).unwrap(),
+            flate2::Compression::fast(),
+        );
+        writeln!(gz, r#"{{"id":"1","title":"A","text":"alpha"}}"#).unwrap();
+        write!(gz, r#"{{"id":"2","text":""#).unwrap();
+        let chunk = vec![b'a'; 1 << 20];
+        for _ in 0..5 {
+            gz.write_all(&chunk).unwrap();
+        }
+        writeln!(gz, r#""}}"#).unwrap();
+        writeln!(gz, r#"{{"id":"3","title":"C","text":"gamma"}}"#).unwrap();
+        gz.finish().unwrap();
+        assert!(std::fs::metadata(&p).unwrap().len() < 100_000);
+        let limit = 1 << 20;
+        let mut lines = CorpusLines::open(&p).unwrap().with_max_line_bytes(limit);
+        let mut buf = Vec::new();
+        assert_eq!(lines.next_line(&mut buf).unwrap(), Some(1));
+        let msg = lines.next_line(&mut buf).unwrap_err().to_string();
+        assert!(
+            msg.contains("c.jsonl.gz:2:")
+                && msg.contains("1048576 bytes")
+                && msg.contains("--max-line-bytes")
+                && msg.contains(MAX_LINE_BYTES_ENV),
+            "{msg}"
+        );
+        assert!(
+            buf.capacity() <= 2 * limit + (1 << 17),
+            "buffered {} bytes of a 5 MiB line",
+            buf.capacity()
+        );
+        // The same through the index builder, whatever the bad-line policy.
+        let opts = crate::BuildOptions {
+            threads: 1,
+            progress: false,
+            max_line_bytes: limit,
+            ..Default::default()
+        };
+        let e = crate::build_index(std::slice::from_ref(&p), &dir.path().join("idx"), &opts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("c.jsonl.gz:2:") && e.contains("1048576 bytes"),
+            "{e}"
+        );
     }
 }

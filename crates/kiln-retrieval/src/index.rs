@@ -128,6 +128,9 @@ pub struct BuildOptions {
     pub progress: bool,
     /// Merge all segments into one after the commit (recommended for a read-only index).
     pub merge: bool,
+    /// Longest accepted corpus line in bytes; a longer line stops the build with a `file:line` error
+    /// (default [`crate::corpus::default_max_line_bytes`], 16 MiB).
+    pub max_line_bytes: usize,
 }
 
 impl Default for BuildOptions {
@@ -138,6 +141,7 @@ impl Default for BuildOptions {
             bad_lines: BadLinePolicy::Skip,
             progress: true,
             merge: true,
+            max_line_bytes: crate::corpus::default_max_line_bytes(),
         }
     }
 }
@@ -297,18 +301,25 @@ fn build_into(
     let mut seen: HashSet<u64> = HashSet::new();
     let mut docs: u64 = 0;
     let mut duplicates = 0usize;
+    // Lines are parsed in parallel chunks of at most CHUNK lines and about CHUNK_BYTES bytes.
     const CHUNK: usize = 4096;
+    const CHUNK_BYTES: usize = 64 * 1024 * 1024;
     for path in corpus {
         let pbc = pb.clone();
         let mut lines = CorpusLines::open_with(path, move |file| -> Box<dyn Read + Send> {
             Box::new(pbc.wrap_read(file))
-        })?;
+        })?
+        .with_max_line_bytes(opts.max_line_bytes);
         loop {
             let mut chunk: Vec<(usize, Vec<u8>)> = Vec::with_capacity(CHUNK);
+            let mut chunk_bytes = 0usize;
             let mut buf = Vec::new();
-            while chunk.len() < CHUNK {
+            while chunk.len() < CHUNK && chunk_bytes < CHUNK_BYTES {
                 match lines.next_line(&mut buf)? {
-                    Some(n) => chunk.push((n, std::mem::take(&mut buf))),
+                    Some(n) => {
+                        chunk_bytes += buf.len();
+                        chunk.push((n, std::mem::take(&mut buf)));
+                    }
                     None => break,
                 }
             }

@@ -16,6 +16,10 @@
 //!   with `is_supporting`;
 //! - MuSiQue's `answerable: false` makes the record a bad line (no gold answer to score).
 //!
+//! Line length: a JSONL line longer than [`kiln_retrieval::corpus::default_max_line_bytes`] (16 MiB unless the
+//! environment variable `KILN_MAX_LINE_BYTES` raises it) is an error, detected while reading (also through gzip)
+//! without holding the line; a JSON array file is read whole and may be at most [`MAX_JSON_ARRAY_BYTES`].
+//!
 //! Parquet is not supported (no small maintained pure-Rust reader in the workspace; convert with
 //! `pandas.read_parquet(p).to_json(out, orient="records", lines=True)`).
 
@@ -30,6 +34,9 @@ use crate::reward::Gold;
 
 /// How many bad lines are logged one by one before only counting them.
 pub const MAX_LOGGED_BAD_LINES: usize = 10;
+
+/// Largest JSON array file (bytes, after gunzip) that [`load_qa`] reads whole; convert bigger ones to JSONL.
+pub const MAX_JSON_ARRAY_BYTES: u64 = 1 << 30;
 
 /// One question with its gold answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -266,6 +273,19 @@ impl BadLines<'_> {
 
 /// Loads a QA file (JSONL, gzipped JSONL or JSON array; see the module docs).
 pub fn load_qa(path: &Path, options: &LoadOptions) -> Result<Loaded, Error> {
+    load_qa_with_max_line(
+        path,
+        options,
+        kiln_retrieval::corpus::default_max_line_bytes(),
+    )
+}
+
+/// [`load_qa`] with an explicit longest accepted JSONL line in bytes.
+pub fn load_qa_with_max_line(
+    path: &Path,
+    options: &LoadOptions,
+    max_line_bytes: usize,
+) -> Result<Loaded, Error> {
     let stem = path
         .file_name()
         .and_then(|s| s.to_str())
@@ -295,9 +315,16 @@ pub fn load_qa(path: &Path, options: &LoadOptions) -> Result<Loaded, Error> {
     };
     if first == Some(b'[') {
         let mut text = String::new();
-        reader
+        (&mut reader)
+            .take(MAX_JSON_ARRAY_BYTES + 1)
             .read_to_string(&mut text)
             .map_err(|e| Error::io(path, e))?;
+        if text.len() as u64 > MAX_JSON_ARRAY_BYTES {
+            return Err(Error::Invalid(format!(
+                "{}: a JSON array file over {MAX_JSON_ARRAY_BYTES} bytes; convert it to JSONL (one object per line)",
+                path.display()
+            )));
+        }
         let arr: Vec<Value> = serde_json::from_str(&text).map_err(|e| Error::BadLine {
             path: path.to_path_buf(),
             line: e.line(),
@@ -317,13 +344,20 @@ pub fn load_qa(path: &Path, options: &LoadOptions) -> Result<Loaded, Error> {
         let mut line = 0usize;
         while examples.len() < limit {
             buf.clear();
-            let n = reader
-                .read_until(b'\n', &mut buf)
+            use kiln_retrieval::corpus::{LineRead, line_too_long_message, read_line_capped};
+            let read = read_line_capped(&mut reader, &mut buf, max_line_bytes)
                 .map_err(|e| Error::io(path, e))?;
-            if n == 0 {
+            if read == LineRead::Eof {
                 break;
             }
             line += 1;
+            if read == LineRead::TooLong {
+                return Err(Error::BadLine {
+                    path: path.to_path_buf(),
+                    line,
+                    msg: line_too_long_message(max_line_bytes),
+                });
+            }
             let Ok(s) = std::str::from_utf8(&buf) else {
                 bad.record(line, "not valid UTF-8".into())?;
                 continue;
@@ -414,4 +448,39 @@ pub fn resolve_dataset(name_or_path: &str, datasets_root: &Path) -> Result<PathB
         "{name_or_path} is neither a file nor a known dataset ({})",
         names.join(", ")
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A gzip holding one 5 MiB line, read with a 1 MiB limit: a `file:line` error naming the limit.
+    #[test]
+    fn over_long_gzipped_line_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("qa.jsonl.gz");
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&p).unwrap(),
+            flate2::Compression::fast(),
+        );
+        writeln!(gz, r#"{{"question": "q", "golden_answers": ["a"]}}"#).unwrap();
+        write!(gz, r#"{{"question": ""#).unwrap();
+        gz.write_all(&vec![b'a'; 5 << 20]).unwrap();
+        writeln!(gz, r#"", "answer": "x"}}"#).unwrap();
+        gz.finish().unwrap();
+        let e = load_qa_with_max_line(&p, &LoadOptions::default(), 1 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("qa.jsonl.gz:2:")
+                && e.contains("1048576 bytes")
+                && e.contains("KILN_MAX_LINE_BYTES"),
+            "{e}"
+        );
+        assert_eq!(
+            load_qa(&p, &LoadOptions::default()).unwrap().examples.len(),
+            2
+        );
+    }
 }
