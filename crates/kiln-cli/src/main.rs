@@ -4,6 +4,7 @@ mod config;
 mod doctor;
 mod explain;
 mod recipe;
+mod resources;
 mod run;
 mod tasks;
 
@@ -126,6 +127,13 @@ fn dispatch(cmd: Command) -> anyhow::Result<()> {
             if dry_run {
                 let resolved = tasks::validate(&raw)?;
                 print!("{}", serde_norway::to_string(&resolved)?);
+                eprintln!(
+                    "[kiln] memory estimate: {} ({})",
+                    resources::Estimate::of(&resolved),
+                    resources::machine_memory()
+                        .map(|m| format!("this machine has {}", resources::fmt_bytes(m)))
+                        .unwrap_or_else(|| "this machine's memory is unknown".into())
+                );
                 return Ok(());
             }
             tasks::train(tasks::TrainRequest {

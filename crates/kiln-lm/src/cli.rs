@@ -26,6 +26,9 @@ pub enum CliError {
     /// Bad arguments.
     #[error("{0}")]
     Usage(String),
+    /// The prompt's ids do not fit the model.
+    #[error("{0}")]
+    Prompt(String),
 }
 
 /// `kiln generate --model NAME_OR_DIR --prompt TEXT`.
@@ -38,9 +41,14 @@ pub struct GenerateArgs {
     /// The prompt (wrapped in the model's chat template unless --raw).
     #[arg(long)]
     pub prompt: String,
-    /// Use the prompt as is, without the chat template.
+    /// Use the prompt as is, without the chat template (special-token strings in it, such as
+    /// `<|im_start|>`, stay plain text).
     #[arg(long)]
     pub raw: bool,
+    /// Use the prompt as is and parse special-token strings in it as control tokens (for a
+    /// hand-written template; only for prompts you trust). Implies --raw.
+    #[arg(long)]
+    pub raw_special: bool,
     /// System prompt for the chat template (default: the model's own).
     #[arg(long)]
     pub system: Option<String>,
@@ -84,20 +92,25 @@ pub fn run_generate(args: GenerateArgs) -> Result<(), CliError> {
     let t0 = Instant::now();
     let (model, tok) = load_with_tokenizer(&args.model, &device)?;
     let load_s = t0.elapsed().as_secs_f64();
-    let text = if args.raw {
-        args.prompt.clone()
+    // The prompt is text from outside: only the chat template (or --raw-special) makes
+    // control tokens.
+    let ids = if args.raw_special {
+        tok.encode_special(&args.prompt, true)?
+    } else if args.raw {
+        tok.encode(&args.prompt, true)?
     } else {
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
             msgs.push(ChatMessage::system(s.clone()));
         }
         msgs.push(ChatMessage::user(args.prompt.clone()));
-        tok.apply_chat_template(&msgs, true)
+        tok.encode_chat(&msgs, true, true)?
     };
-    let ids = tok.encode(&text, true)?;
     if ids.is_empty() {
         return Err(CliError::Usage("the prompt encodes to no tokens".into()));
     }
+    crate::generate::check_prompts(model.config().vocab_size, std::slice::from_ref(&ids))
+        .map_err(CliError::Prompt)?;
     let mut cfg = SamplingConfig {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,
@@ -127,6 +140,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<(), CliError> {
 
 /// Run `kiln export`.
 pub fn run_export(args: ExportArgs) -> Result<(), CliError> {
+    check_export_target(&args.checkpoint, &args.hf)?;
     let device = Device::flex();
     let model = if args.checkpoint.is_dir() {
         load_hf_dir(&args.checkpoint, &device)?
@@ -163,4 +177,117 @@ pub fn run_export(args: ExportArgs) -> Result<(), CliError> {
         args.hf.display()
     );
     Ok(())
+}
+
+/// The files `kiln export` writes into its output folder.
+const EXPORT_WRITES: &[&str] = &[
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
+
+/// Refuse an export that would write over its own input.
+///
+/// Writing `config.json` / `model.safetensors` over the folder being read, or copying
+/// `tokenizer.json` onto itself (which truncates it to 0 bytes), destroys the model being
+/// exported. Refused: an output folder that is the input folder (compared after resolving
+/// symlinks, `.` and `..`, and by device + inode, so `./m`, `m/` and a symlink to `m` are all
+/// caught), and an output file that already exists as a file of the input (a symlink or hard link
+/// into the input folder, or the input `.gguf` itself).
+fn check_export_target(input: &std::path::Path, out: &std::path::Path) -> Result<(), CliError> {
+    let refuse = |why: String| {
+        CliError::Usage(format!(
+            "refusing to export {} to {}: {why}; nothing was written. Give another output folder, \
+             e.g. --hf {}-hf",
+            input.display(),
+            out.display(),
+            input.display().to_string().trim_end_matches('/')
+        ))
+    };
+    let Ok(input_real) = input.canonicalize() else {
+        return Ok(()); // a missing input is reported by the loader
+    };
+    let out_real = resolve_lenient(out);
+    if out_real == input_real || same_file(&input_real, &out_real) {
+        return Err(refuse(format!(
+            "that is the input folder ({}), and the export would overwrite its config.json, \
+             model.safetensors and tokenizer files",
+            input_real.display()
+        )));
+    }
+    // every file of the input that must survive: the input file, or the files in the input folder
+    let inputs: Vec<std::path::PathBuf> = if input_real.is_dir() {
+        std::fs::read_dir(&input_real)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.is_file())
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        vec![input_real.clone()]
+    };
+    for name in EXPORT_WRITES {
+        let target = out_real.join(name);
+        let Ok(target_real) = target.canonicalize() else {
+            continue; // does not exist yet: a new file
+        };
+        if let Some(hit) = inputs
+            .iter()
+            .find(|i| **i == target_real || same_file(i, &target_real))
+        {
+            return Err(refuse(format!(
+                "{} is (a link to) {}, a file of the input, which the export would overwrite",
+                target.display(),
+                hit.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `p` made absolute with symlinks, `.` and `..` resolved, also where its tail does not exist yet:
+/// each existing prefix is canonicalised, missing components are appended (and `..` pops them),
+/// which is how `create_dir_all` and the writes after it walk the path.
+fn resolve_lenient(p: &std::path::Path) -> std::path::PathBuf {
+    use std::path::Component;
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_default().join(p)
+    };
+    let mut cur = std::path::PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                cur.pop();
+            }
+            other => cur.push(other),
+        }
+        if let Ok(real) = cur.canonicalize() {
+            cur = real;
+        }
+    }
+    cur
+}
+
+/// Whether `a` and `b` are the same file or folder (same device and inode; bind mounts and
+/// hard links included). False when either does not exist.
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (std::fs::metadata(a), std::fs::metadata(b)) {
+            (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+    }
 }

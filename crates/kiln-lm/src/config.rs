@@ -1,11 +1,61 @@
 //! Model configuration: one [`TransformerConfig`] describes every architecture kiln runs
 //! (Llama, Qwen2, LLaDA-style bidirectional denoisers). Field names follow HF `config.json`, so
 //! HF configs and the `configs/model/*.yaml` presets deserialize into it directly.
+//!
+//! Config files are untrusted input: parsing and [`TransformerConfig::validate`] never panic,
+//! files are read only up to [`MAX_CONFIG_BYTES`], and every size is held to a ceiling
+//! ([`limits`]) with the parameter count computed in checked arithmetic, so a forged
+//! `num_hidden_layers: 1000000000000` is an error here, before any allocation.
 
 use std::path::Path;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+
+/// Largest config file (`config.json`, YAML preset) kiln reads: real ones are a few KiB.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// Ceilings on the sizes a config may declare. They sit far above every model kiln targets
+/// (Llama-3-405B: 126 layers, width 16384, MLP 53248, vocabulary 128256; Qwen2.5: vocabulary
+/// 152064) and low enough that products of them cannot overflow a `u64`, so that a corrupt or
+/// forged config is rejected by [`TransformerConfig::validate`] instead of aborting the process
+/// in an allocation.
+pub mod limits {
+    /// Largest `vocab_size`.
+    pub const MAX_VOCAB: usize = 1 << 22;
+    /// Largest `hidden_size`.
+    pub const MAX_HIDDEN: usize = 1 << 16;
+    /// Largest `intermediate_size`.
+    pub const MAX_INTERMEDIATE: usize = 1 << 20;
+    /// Largest `num_hidden_layers`.
+    pub const MAX_LAYERS: usize = 1 << 10;
+    /// Largest `num_attention_heads` (and `num_key_value_heads`).
+    pub const MAX_HEADS: usize = 1 << 10;
+    /// Largest `head_dim`.
+    pub const MAX_HEAD_DIM: usize = 1 << 12;
+    /// Largest `max_position_embeddings`.
+    pub const MAX_POSITIONS: usize = 1 << 24;
+    /// Largest parameter count ([`super::TransformerConfig::parameter_count`]), ~1.1e12.
+    pub const MAX_PARAMETERS: u64 = 1 << 40;
+}
+
+/// Read a text file of at most `max` bytes (the size is checked before reading, so a huge or
+/// endless file costs nothing); invalid UTF-8 is an `InvalidData` error.
+pub(crate) fn read_text_bounded(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("the file has {len} bytes, more than the {max} a file of this kind may have"),
+        ));
+    }
+    let mut text = String::new();
+    // `take` also bounds a file that grows while it is read.
+    f.take(max).read_to_string(&mut text)?;
+    Ok(text)
+}
 
 /// Errors raised while reading or validating a model configuration.
 #[derive(Debug, thiserror::Error)]
@@ -220,6 +270,38 @@ impl TransformerConfig {
                 return bad(format!("{name} must be > 0"));
             }
         }
+        for (name, v, max) in [
+            ("vocab_size", self.vocab_size, limits::MAX_VOCAB),
+            ("hidden_size", self.hidden_size, limits::MAX_HIDDEN),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                limits::MAX_INTERMEDIATE,
+            ),
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                limits::MAX_LAYERS,
+            ),
+            (
+                "num_attention_heads",
+                self.num_attention_heads,
+                limits::MAX_HEADS,
+            ),
+            ("num_key_value_heads", self.kv_heads(), limits::MAX_HEADS),
+            ("head_dim", self.head_dim(), limits::MAX_HEAD_DIM),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                limits::MAX_POSITIONS,
+            ),
+        ] {
+            if v > max {
+                return bad(format!(
+                    "{name} = {v} is larger than kiln's ceiling of {max}: the config is corrupt or describes a model far beyond what kiln runs"
+                ));
+            }
+        }
         if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return bad(format!(
                 "hidden_size {} is not divisible by num_attention_heads {}; set head_dim explicitly",
@@ -272,7 +354,64 @@ impl TransformerConfig {
                 self.vocab_size
             ));
         }
+        if let Some(p) = self.pad_token_id
+            && p as usize >= self.vocab_size
+        {
+            return bad(format!(
+                "pad_token_id {p} is outside the vocabulary (vocab_size {})",
+                self.vocab_size
+            ));
+        }
+        match self.parameter_count() {
+            Some(n) if n <= limits::MAX_PARAMETERS => {}
+            n => {
+                return bad(format!(
+                    "the sizes describe {} parameters, more than kiln's ceiling of {}: the config is corrupt",
+                    n.map_or_else(|| "over 2^64".to_string(), |n| n.to_string()),
+                    limits::MAX_PARAMETERS
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Number of parameters of the model this config describes (embedding, every layer's
+    /// projections, norms and biases, final norm, untied `lm_head`), in checked arithmetic:
+    /// `None` if it overflows a `u64`. The weight loaders compare it with what the files hold
+    /// before allocating anything.
+    pub fn parameter_count(&self) -> Option<u64> {
+        let u = |x: usize| x as u64;
+        let (v, d, inter) = (
+            u(self.vocab_size),
+            u(self.hidden_size),
+            u(self.intermediate_size),
+        );
+        let q = u(self.num_attention_heads).checked_mul(u(self.head_dim()))?;
+        let kv = u(self.kv_heads()).checked_mul(u(self.head_dim()))?;
+        let embed = v.checked_mul(d)?;
+        // q, k, v and o projections.
+        let mut layer = d
+            .checked_mul(q)?
+            .checked_mul(2)?
+            .checked_add(d.checked_mul(kv)?.checked_mul(2)?)?;
+        if self.attention_bias {
+            layer = layer.checked_add(q)?.checked_add(kv.checked_mul(2)?)?;
+        }
+        // gate, up and down projections.
+        layer = layer.checked_add(d.checked_mul(inter)?.checked_mul(3)?)?;
+        if self.mlp_bias {
+            layer = layer.checked_add(inter.checked_mul(2)?)?.checked_add(d)?;
+        }
+        // the two norms.
+        layer = layer.checked_add(d.checked_mul(2)?)?;
+        let mut total = layer
+            .checked_mul(u(self.num_hidden_layers))?
+            .checked_add(embed)?
+            .checked_add(d)?;
+        if !self.tie_word_embeddings {
+            total = total.checked_add(embed)?;
+        }
+        Some(total)
     }
 
     /// Parse a strict kiln config (YAML or JSON; unknown keys are errors).
@@ -289,17 +428,11 @@ impl TransformerConfig {
     /// Read a strict kiln preset file (`configs/model/*.yaml`; JSON is valid YAML too).
     pub fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        let text = read_text_bounded(path, MAX_CONFIG_BYTES).map_err(|source| ConfigError::Io {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_yaml_str(&text).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse {
-                path: path.display().to_string(),
-                message,
-            },
-            other => other,
-        })
+        Self::from_yaml_str(&text).map_err(|e| locate(e, path))
     }
 
     /// Parse a real HF `config.json` text, ignoring keys kiln does not use, and applying the
@@ -381,17 +514,11 @@ impl TransformerConfig {
     /// Read an HF `config.json` file leniently (see [`Self::from_hf_config_json`]).
     pub fn from_hf_config_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        let text = read_text_bounded(path, MAX_CONFIG_BYTES).map_err(|source| ConfigError::Io {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_hf_config_json(&text).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse {
-                path: path.display().to_string(),
-                message,
-            },
-            other => other,
-        })
+        Self::from_hf_config_json(&text).map_err(|e| locate(e, path))
     }
 
     /// An HF `config.json` for this model (what `transformers` needs to open an export).
@@ -431,6 +558,18 @@ impl TransformerConfig {
     }
 }
 
+/// Name the file in a parse or validation error of its text.
+fn locate(e: ConfigError, path: &Path) -> ConfigError {
+    match e {
+        ConfigError::Parse { message, .. } => ConfigError::Parse {
+            path: path.display().to_string(),
+            message,
+        },
+        ConfigError::Invalid(m) => ConfigError::Invalid(format!("{}: {m}", path.display())),
+        other => other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,6 +598,58 @@ mod tests {
         let err = TransformerConfig::from_yaml_str("hidden_size: 65\nnum_attention_heads: 4\n")
             .unwrap_err();
         assert!(err.to_string().contains("divisible"), "{err}");
+    }
+
+    #[test]
+    fn huge_sizes_are_an_error_before_any_allocation() {
+        let base =
+            r#""vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_attention_heads":4"#;
+        for (extra, field) in [
+            (r#""num_hidden_layers":1000000000000"#, "num_hidden_layers"),
+            (
+                r#""num_hidden_layers":2,"hidden_size":1000000000"#,
+                "hidden_size",
+            ),
+            (
+                r#""num_hidden_layers":2,"vocab_size":4000000000"#,
+                "vocab_size",
+            ),
+            (r#""num_hidden_layers":2,"head_dim":1000000"#, "head_dim"),
+        ] {
+            let text = format!("{{{base},{extra}}}");
+            let err = TransformerConfig::from_hf_config_json(&text).unwrap_err();
+            assert!(err.to_string().contains(field), "{extra}: {err}");
+        }
+        // A float where a size belongs is a type error, not a truncated size.
+        let text = format!(r#"{{{base},"num_hidden_layers":2,"hidden_size":1e9}}"#);
+        assert!(TransformerConfig::from_hf_config_json(&text).is_err());
+        // Within every per-field ceiling, but the product is absurd.
+        let cfg = TransformerConfig {
+            vocab_size: limits::MAX_VOCAB,
+            hidden_size: limits::MAX_HIDDEN,
+            intermediate_size: limits::MAX_INTERMEDIATE,
+            num_hidden_layers: limits::MAX_LAYERS,
+            num_attention_heads: 256,
+            ..TransformerConfig::default()
+        };
+        let err = cfg.validate().unwrap_err();
+        assert!(err.to_string().contains("parameters"), "{err}");
+    }
+
+    #[test]
+    fn parameter_count_matches_a_built_model() {
+        for yaml in [
+            "vocab_size: 50\nhidden_size: 16\nintermediate_size: 24\nnum_hidden_layers: 2\nnum_attention_heads: 4\nnum_key_value_heads: 2\n",
+            "vocab_size: 50\nhidden_size: 16\nintermediate_size: 24\nnum_hidden_layers: 1\nnum_attention_heads: 2\nattention_bias: true\nmlp_bias: true\ntie_word_embeddings: true\n",
+        ] {
+            let cfg = TransformerConfig::from_yaml_str(yaml).unwrap();
+            let model = cfg.init(&burn::tensor::Device::flex());
+            assert_eq!(
+                cfg.parameter_count(),
+                Some(burn::module::Module::num_params(&model) as u64),
+                "{yaml}"
+            );
+        }
     }
 
     #[test]

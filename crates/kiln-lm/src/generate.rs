@@ -198,6 +198,23 @@ pub fn sample_row(row: &[f32], cfg: &SamplingConfig, rng: &mut impl Rng) -> (u32
     (chosen as u32, logp[chosen] as f32)
 }
 
+/// Check that `prompts` can be generated from by a model of `vocab_size` ids: none is empty
+/// and every id has an embedding row. [`generate`] panics on what this rejects, so callers with
+/// ids from outside (a tokenizer that may not match the model) check first.
+pub fn check_prompts(vocab_size: usize, prompts: &[Vec<u32>]) -> Result<(), String> {
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(format!("prompt {i} has no tokens"));
+        }
+        if let Some(t) = p.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(format!(
+                "prompt {i} has token id {t}, outside the model's vocabulary of {vocab_size} ids: the tokenizer and the model do not match"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Generate continuations of `prompts` (token ids, any lengths >= 1) with a KV cache.
 ///
 /// Prompts are left-padded into one batch; positions count real tokens only, so a padded
@@ -205,7 +222,8 @@ pub fn sample_row(row: &[f32], cfg: &SamplingConfig, rng: &mut impl Rng) -> (u32
 /// needed only for stop strings. The RNG makes sampling reproducible for a given seed.
 ///
 /// # Panics
-/// Panics if a prompt is empty or a token id is outside the vocabulary.
+/// Panics if a prompt is empty or a token id is outside the vocabulary; [`check_prompts`] tells
+/// beforehand.
 pub fn generate(
     model: &Transformer,
     prompts: &[Vec<u32>],
@@ -223,12 +241,8 @@ pub fn generate(
         return out;
     }
     let vocab = model.config().vocab_size;
-    for p in prompts {
-        assert!(!p.is_empty(), "generate: empty prompt");
-        assert!(
-            p.iter().all(|&t| (t as usize) < vocab),
-            "generate: prompt token outside the vocabulary ({vocab})"
-        );
+    if let Err(e) = check_prompts(vocab, prompts) {
+        panic!("generate: {e}");
     }
     let device = model.device();
     let pad = model.config().pad_token_id.unwrap_or(0) as i64;

@@ -4,14 +4,30 @@
 //! Hand-written on purpose: the maintained Rust GGUF reader is `candle-core`'s `gguf_file`,
 //! which would pull a second tensor library into the build for a ~300-line job (the format
 //! is a small, versioned, little-endian container and the block layouts below are fixed by
-//! ggml). Every read is bounds-checked, so a truncated or corrupt file is an error, never a
-//! panic. Dequantisation is checked against the `gguf` Python package in the tests.
+//! ggml). Dequantisation is checked against the `gguf` Python package in the tests.
+//!
+//! **No panic, no unbounded allocation.** A GGUF file is untrusted input. Every read is
+//! bounds-checked; every count and size read from the header is checked, in checked
+//! arithmetic, against the file's real length before anything is allocated for it (a count of
+//! items can be no larger than the bytes left; metadata holds at most [`MAX_METADATA_VALUES`]
+//! values); every tensor's extent (dims x block size, at its offset) must lie inside the file
+//! and no two tensors may overlap, so the f32 data a file can yield is bounded by its length;
+//! the model config is held to the ceilings of [`crate::config::limits`]. A truncated,
+//! corrupt or forged file is an error naming the file and what was wrong, never a panic
+//! (`tests/untrusted_files.rs` fuzzes this).
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use crate::config::{TokenIds, TransformerConfig};
 use crate::weights::{TensorSource, WeightsError};
+
+/// Most metadata values (array elements included) a GGUF file may hold: far above a real
+/// tokenizer's (Gemma: 256k tokens x 3 arrays), and a bound on the memory metadata can take.
+pub const MAX_METADATA_VALUES: usize = 1 << 22;
+
+/// Largest `general.alignment` accepted (llama.cpp writes 32).
+const MAX_ALIGNMENT: u64 = 1 << 20;
 
 /// A GGUF metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -140,6 +156,8 @@ struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
     path: &'a str,
+    /// Metadata values still allowed (see [`MAX_METADATA_VALUES`]).
+    values_left: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -182,6 +200,10 @@ impl<'a> Cursor<'a> {
         Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
     }
     fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue, WeightsError> {
+        self.values_left = self
+            .values_left
+            .checked_sub(1)
+            .ok_or_else(|| self.err("more metadata values than a model file has"))?;
         Ok(match ty {
             0 => GgufValue::U64(self.take(1)?[0] as u64),
             1 => GgufValue::I64(self.take(1)?[0] as i8 as i64),
@@ -241,9 +263,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 /// Dequantise `n` elements of type `ty` from `data` (which must hold exactly the blocks).
+/// Never yields more elements than `data` holds, whatever `n` says.
 pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(n);
-    let (_, bs) = ty.block();
+    let (be, bs) = ty.block();
+    let mut out = Vec::with_capacity(n.min(data.len() / bs * be));
     match ty {
         GgmlType::F32 => out.extend(
             data.chunks_exact(4)
@@ -358,7 +381,12 @@ impl GgufFile {
         ),
         WeightsError,
     > {
-        let mut c = Cursor { buf, pos: 0, path };
+        let mut c = Cursor {
+            buf,
+            pos: 0,
+            path,
+            values_left: MAX_METADATA_VALUES,
+        };
         if c.take(4).map_err(|_| c.err("missing GGUF magic"))? != b"GGUF" {
             return Err(WeightsError::Gguf {
                 path: path.into(),
@@ -390,10 +418,18 @@ impl GgufFile {
             }
             let mut dims = Vec::with_capacity(nd);
             for _ in 0..nd {
-                dims.push(c.u64()? as usize);
+                let d = c.u64()?;
+                dims.push(
+                    usize::try_from(d).map_err(|_| c.err(&format!("tensor `{name}` dim {d}")))?,
+                );
             }
             let type_id = c.u32()?;
-            let offset = c.u64()? as usize;
+            let offset = c.u64()?;
+            let offset = usize::try_from(offset)
+                .map_err(|_| c.err(&format!("tensor `{name}` offset {offset}")))?;
+            if tensors.contains_key(&name) {
+                return Err(c.err(&format!("tensor `{name}` listed twice")));
+            }
             tensors.insert(
                 name,
                 GgufTensorInfo {
@@ -403,13 +439,109 @@ impl GgufFile {
                 },
             );
         }
-        let align = metadata
-            .get("general.alignment")
-            .and_then(GgufValue::as_u64)
-            .unwrap_or(32)
-            .max(1) as usize;
+        let align = match metadata.get("general.alignment") {
+            None => 32,
+            Some(v) => match v.as_u64() {
+                Some(a) if (1..=MAX_ALIGNMENT).contains(&a) => a as usize,
+                _ => {
+                    return Err(WeightsError::Gguf {
+                        path: path.into(),
+                        message: format!(
+                            "general.alignment {v:?} is not an integer in 1..={MAX_ALIGNMENT}: corrupt file"
+                        ),
+                    });
+                }
+            },
+        };
+        // `pos` < the file length, `align` <= 2^20: no overflow.
         let data_start = c.pos.div_ceil(align) * align;
+        // Every tensor of a known type must lie inside the file, and no two may overlap: then
+        // the f32 data the file can yield is bounded by its length.
+        let mut extents: Vec<(usize, usize, &str)> = Vec::with_capacity(tensors.len());
+        for (name, info) in &tensors {
+            if let Some(e) = Self::extent(path, buf.len(), data_start, name, info)?
+                && e.end > e.start
+            {
+                extents.push((e.start, e.end, name));
+            }
+        }
+        extents.sort_unstable();
+        for w in extents.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(WeightsError::Gguf {
+                    path: path.into(),
+                    message: format!(
+                        "tensors `{}` and `{}` overlap (bytes {}..{} and {}..{}): corrupt file; download it again",
+                        w[0].2, w[1].2, w[0].0, w[0].1, w[1].0, w[1].1
+                    ),
+                });
+            }
+        }
         Ok((metadata, tensors, data_start))
+    }
+
+    /// Where tensor `name`'s data lies in a file of `file_len` bytes, computed in checked
+    /// arithmetic and checked against the file: `None` for a type kiln cannot read (an error
+    /// only when that tensor is read).
+    fn extent(
+        path: &str,
+        file_len: usize,
+        data_start: usize,
+        name: &str,
+        info: &GgufTensorInfo,
+    ) -> Result<Option<Extent>, WeightsError> {
+        let bad = |message: String| WeightsError::Gguf {
+            path: path.into(),
+            message,
+        };
+        let Some(ty) = GgmlType::from_id(info.type_id) else {
+            return Ok(None);
+        };
+        let (be, bs) = ty.block();
+        let inner = info.dims.first().copied().unwrap_or(1);
+        if !inner.is_multiple_of(be) {
+            return Err(bad(format!(
+                "tensor `{name}`: row of {inner} is not a multiple of {be}"
+            )));
+        }
+        let absurd = || {
+            bad(format!(
+                "tensor `{name}` has an absurd shape {:?}",
+                info.dims
+            ))
+        };
+        let n = info
+            .dims
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(absurd)?;
+        let nbytes = (n / be).checked_mul(bs).ok_or_else(absurd)?;
+        let start = data_start
+            .checked_add(info.offset)
+            .ok_or_else(|| bad(format!("tensor `{name}` offset overflows")))?;
+        let end = start
+            .checked_add(nbytes)
+            .ok_or_else(|| bad(format!("tensor `{name}` offset overflows")))?;
+        if end > file_len {
+            return Err(bad(format!(
+                "tensor `{name}` (shape {:?}) ends at byte {end} but the file has {file_len} bytes: truncated or corrupt; download it again",
+                info.dims
+            )));
+        }
+        Ok(Some(Extent { ty, n, start, end }))
+    }
+
+    /// Upper bound on the f32 elements the tensors of this file can yield (the known-type
+    /// tensors' element counts; they lie inside the file without overlapping).
+    pub fn element_count(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter_map(|(name, info)| {
+                Self::extent(&self.path, self.mmap.len(), self.data_start, name, info)
+                    .ok()
+                    .flatten()
+            })
+            .fold(0u64, |a, e| a.saturating_add(e.n as u64))
     }
 
     /// A metadata value.
@@ -433,44 +565,13 @@ impl GgufFile {
                 name: name.into(),
                 files: self.path.clone(),
             })?;
-        let ty = GgmlType::from_id(info.type_id).ok_or_else(|| WeightsError::Dtype {
-            name: name.into(),
-            dtype: ggml_type_name(info.type_id),
-        })?;
-        let n: usize = info
-            .dims
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| WeightsError::Gguf {
-                path: self.path.clone(),
-                message: format!("tensor `{name}` has an absurd shape {:?}", info.dims),
-            })?;
-        let (be, bs) = ty.block();
-        let inner = info.dims.first().copied().unwrap_or(1);
-        if !inner.is_multiple_of(be) {
-            return Err(WeightsError::Gguf {
-                path: self.path.clone(),
-                message: format!("tensor `{name}`: row of {inner} is not a multiple of {be}"),
-            });
-        }
-        let nbytes = n / be * bs;
-        let start = self.data_start.checked_add(info.offset);
-        let end = start.and_then(|s| s.checked_add(nbytes));
-        let (Some(start), Some(end)) = (start, end) else {
-            return Err(WeightsError::Gguf {
-                path: self.path.clone(),
-                message: format!("tensor `{name}` offset overflows"),
-            });
-        };
-        if end > self.mmap.len() {
-            return Err(WeightsError::Gguf {
-                path: self.path.clone(),
-                message: format!(
-                    "tensor `{name}` ends at byte {end} but the file has {} bytes: truncated; download it again",
-                    self.mmap.len()
-                ),
-            });
-        }
+        let Extent { ty, n, start, end } =
+            Self::extent(&self.path, self.mmap.len(), self.data_start, name, info)?.ok_or_else(
+                || WeightsError::Dtype {
+                    name: name.into(),
+                    dtype: ggml_type_name(info.type_id),
+                },
+            )?;
         let data = dequantize(ty, &self.mmap[start..end], n);
         let shape: Vec<usize> = info.dims.iter().rev().copied().collect();
         Ok((shape, data))
@@ -479,7 +580,7 @@ impl GgufFile {
     fn meta_usize(&self, key: &str) -> Option<usize> {
         self.meta(key)
             .and_then(GgufValue::as_u64)
-            .map(|v| v as usize)
+            .map(|v| usize::try_from(v).unwrap_or(usize::MAX))
     }
 
     /// The model configuration from the `<arch>.*` metadata.
@@ -513,7 +614,7 @@ impl GgufFile {
         let tok = |k: &str| {
             self.meta(&format!("tokenizer.ggml.{k}"))
                 .and_then(GgufValue::as_u64)
-                .map(|v| v as u32)
+                .and_then(|v| u32::try_from(v).ok())
         };
         let cfg = TransformerConfig {
             model_type: arch.clone(),
@@ -547,7 +648,10 @@ impl GgufFile {
             pad_token_id: tok("padding_token_id"),
             ..TransformerConfig::default()
         };
-        cfg.validate()?;
+        cfg.validate().map_err(|e| WeightsError::Gguf {
+            path: self.path.clone(),
+            message: format!("{e} (from the `{arch}.*` metadata)"),
+        })?;
         Ok(cfg)
     }
 
@@ -575,6 +679,14 @@ impl GgufFile {
             _ => None,
         }
     }
+}
+
+/// Where a tensor's data lies (see [`GgufFile::extent`]).
+struct Extent {
+    ty: GgmlType,
+    n: usize,
+    start: usize,
+    end: usize,
 }
 
 /// GGUF names for HF tensor names (Llama/Qwen2 scheme).
@@ -678,9 +790,14 @@ impl TensorSource for GgufSource<'_> {
     fn describe(&self) -> String {
         self.file.path.clone()
     }
+
+    fn element_count(&self) -> Option<u64> {
+        Some(self.file.element_count())
+    }
 }
 
-/// Load a GGUF model onto `device`: its config and dequantised f32 weights.
+/// Load a GGUF model onto `device`: its config and dequantised f32 weights. Never panics and
+/// never allocates more than the file can back (see the module docs).
 pub fn load_gguf(
     path: impl AsRef<Path>,
     device: &burn::tensor::Device,
@@ -729,6 +846,58 @@ mod tests {
             std::fs::write(&p, bytes).unwrap();
             assert!(GgufFile::open(&p).is_err());
         }
+    }
+
+    /// A GGUF v3 file with no metadata and one tensor `t` of type `ty`, dims `dims`, at `offset`.
+    fn one_tensor(dims: &[u64], ty: u32, offset: u64, data: &[u8]) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes()); // tensors
+        b.extend(0u64.to_le_bytes()); // metadata
+        b.extend(1u64.to_le_bytes());
+        b.push(b't');
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        b.resize(b.len().div_ceil(32) * 32, 0);
+        b.extend(data);
+        b
+    }
+
+    #[test]
+    fn huge_dims_are_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        // [2^62] F32: 2^62 x 4 bytes wraps to 0 in unchecked arithmetic.
+        for (dims, ty) in [
+            (vec![1u64 << 62], 0u32),
+            (vec![1 << 31, 1 << 31, 4], 0),
+            (vec![u64::MAX], 0),
+            (vec![1 << 60], 2),
+            (vec![4, 1 << 40], 1),
+        ] {
+            std::fs::write(&p, one_tensor(&dims, ty, 0, &[0u8; 64])).unwrap();
+            let r = GgufFile::open(&p).and_then(|f| f.read_f32("t"));
+            assert!(r.is_err(), "{dims:?}");
+        }
+        // The same file with a sane shape reads.
+        std::fs::write(&p, one_tensor(&[4, 2], 0, 0, &[0u8; 32])).unwrap();
+        let (shape, v) = GgufFile::open(&p).unwrap().read_f32("t").unwrap();
+        assert_eq!((shape, v.len()), (vec![2, 4], 8));
+        // Offsets past the end, and an offset that overflows.
+        for off in [64u64, u64::MAX - 8] {
+            std::fs::write(&p, one_tensor(&[4], 0, off, &[0u8; 16])).unwrap();
+            assert!(GgufFile::open(&p).is_err(), "offset {off}");
+        }
+    }
+
+    #[test]
+    fn dequantize_never_yields_more_than_the_data() {
+        assert_eq!(dequantize(GgmlType::F32, &[0u8; 8], 1 << 62).len(), 2);
+        assert!(dequantize(GgmlType::Q4K, &[0u8; 100], usize::MAX).is_empty());
     }
 
     #[test]

@@ -6,6 +6,16 @@
 //! LLaDA's own naming (`model.transformer.blocks.N.attn_out.weight`, ...) are mapped too.
 //! HF stores linear weights as `[out, in]`; burn's [`Linear`] holds `[in, out]`, so they are
 //! transposed on the way in and out.
+//!
+//! **No panic, no unbounded allocation.** Weight files and configs are untrusted input. The
+//! safetensors header is validated by the `safetensors` crate (header at most 100 MB, every
+//! tensor's byte range inside the file, tensors tiling the data without overlap, sizes in
+//! checked arithmetic); the shard index is read only up to [`MAX_INDEX_BYTES`]; the config is
+//! held to the ceilings of [`crate::config::limits`]; and [`load_transformer`] checks that the
+//! files hold at least as many elements as the config's parameter count before it allocates
+//! anything, and every tensor's shape before reading it. So a forged file or config is an
+//! error, and the memory a load takes is bounded by what the files really hold
+//! (`tests/untrusted_files.rs` fuzzes this).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -18,6 +28,9 @@ use safetensors::{Dtype, SafeTensors, View};
 
 use crate::config::{ConfigError, TransformerConfig};
 use crate::model::{Attention, DecoderLayer, Mlp, Transformer};
+
+/// Largest `model.safetensors.index.json` kiln reads (a real one is ~100 KB).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 
 /// Errors raised while reading or writing weights.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +104,18 @@ pub enum WeightsError {
         /// What was wrong.
         message: String,
     },
+    /// The config describes more parameters than the weight files hold.
+    #[error(
+        "{files}: the config describes a model of {needed} parameters but the weight files hold only {available} values (config and weights do not belong together, or the config is corrupt)"
+    )]
+    TooFewWeights {
+        /// The files.
+        files: String,
+        /// The config's parameter count.
+        needed: u64,
+        /// Elements in the files.
+        available: u64,
+    },
     /// The config is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
@@ -104,6 +129,11 @@ pub trait TensorSource {
     fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, WeightsError>;
     /// The files behind this source, for messages.
     fn describe(&self) -> String;
+    /// An upper bound on the f32 elements all of the source's readable tensors hold, when
+    /// known: [`load_transformer`] refuses a config with more parameters before allocating.
+    fn element_count(&self) -> Option<u64> {
+        None
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightsError + '_ {
@@ -117,6 +147,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightsError + '_ {
 pub struct SafetensorsSource {
     files: Vec<(PathBuf, memmap2::Mmap)>,
     index: HashMap<String, usize>,
+    /// Elements of the tensors of a dtype kiln reads (F32, F16, BF16, F64), over all files.
+    elements: u64,
 }
 
 impl SafetensorsSource {
@@ -126,7 +158,8 @@ impl SafetensorsSource {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+            let text = crate::config::read_text_bounded(&index, MAX_INDEX_BYTES)
+                .map_err(io_err(&index))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| WeightsError::Index {
                     path: index.display().to_string(),
@@ -166,6 +199,7 @@ impl SafetensorsSource {
     pub fn open_files(paths: &[PathBuf]) -> Result<Self, WeightsError> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
+        let mut elements = 0u64;
         for (i, p) in paths.iter().enumerate() {
             let f = std::fs::File::open(p).map_err(io_err(p))?;
             // SAFETY: the map is read-only and lives as long as `self`; a file truncated by
@@ -175,12 +209,24 @@ impl SafetensorsSource {
                 path: p.display().to_string(),
                 message: e.to_string(),
             })?;
-            for name in st.names() {
-                index.insert(name.to_string(), i);
+            for (name, view) in st.tensors() {
+                if matches!(
+                    view.dtype(),
+                    Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64
+                ) {
+                    // The crate checked that shape x dtype size fits the file.
+                    let n = view.shape().iter().map(|&d| d as u64).product::<u64>();
+                    elements = elements.saturating_add(n);
+                }
+                index.insert(name, i);
             }
             files.push((p.clone(), mmap));
         }
-        Ok(Self { files, index })
+        Ok(Self {
+            files,
+            index,
+            elements,
+        })
     }
 
     /// All tensor names.
@@ -206,6 +252,10 @@ impl TensorSource for SafetensorsSource {
 
     fn describe(&self) -> String {
         self.file_list()
+    }
+
+    fn element_count(&self) -> Option<u64> {
+        Some(self.elements)
     }
 
     fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, WeightsError> {
@@ -339,7 +389,9 @@ fn param2(data: Vec<f32>, shape: [usize; 2], device: &Device) -> Param<Tensor<2>
     Param::from_tensor(Tensor::from_data(TensorData::new(data, shape), device))
 }
 
-/// Build a [`Transformer`] for `cfg` from the tensors in `src`.
+/// Build a [`Transformer`] for `cfg` from the tensors in `src`. Never panics; allocates
+/// nothing before checking that `src` holds at least the config's parameter count (when the
+/// source knows its size), and reads each tensor only once its shape matched the config.
 pub fn load_transformer(
     cfg: &TransformerConfig,
     src: &dyn TensorSource,
@@ -347,6 +399,44 @@ pub fn load_transformer(
 ) -> Result<Transformer, WeightsError> {
     cfg.validate()?;
     let scheme = NameScheme::detect(src);
+    // Every tensor the config needs must exist (the first missing one is named), and the files
+    // must hold at least the config's parameter count: both before anything is allocated.
+    let mut names = vec![scheme.embed(), scheme.final_norm()];
+    if !cfg.tie_word_embeddings {
+        names.push(scheme.lm_head());
+    }
+    for i in 0..cfg.num_hidden_layers {
+        for suffix in [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ] {
+            names.push(scheme.layer(i, suffix));
+        }
+    }
+    if let Some(name) = names.into_iter().find(|n| !src.contains(n)) {
+        return Err(WeightsError::Missing {
+            name,
+            files: src.describe(),
+        });
+    }
+    // `validate` bounds the count (no overflow below: every product is at most it).
+    let needed = cfg.parameter_count().unwrap_or(u64::MAX);
+    if let Some(available) = src.element_count()
+        && needed > available
+    {
+        return Err(WeightsError::TooFewWeights {
+            files: src.describe(),
+            needed,
+            available,
+        });
+    }
     let d = cfg.hidden_size;
     let hd = cfg.head_dim();
     let (h, kvh) = (cfg.num_attention_heads, cfg.kv_heads());
@@ -423,7 +513,8 @@ pub fn load_transformer(
     })
 }
 
-/// Load an HF model folder (`config.json` + safetensors) onto `device`.
+/// Load an HF model folder (`config.json` + safetensors) onto `device`. Never panics and never
+/// allocates more than the files can back (see the module docs).
 pub fn load_hf_dir(dir: impl AsRef<Path>, device: &Device) -> Result<Transformer, WeightsError> {
     let dir = dir.as_ref();
     let cfg = TransformerConfig::from_hf_config_file(dir.join("config.json"))?;

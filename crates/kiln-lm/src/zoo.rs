@@ -6,10 +6,11 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 
+use crate::config::TransformerConfig;
 use crate::gguf::{GgufFile, GgufSource};
 use crate::model::Transformer;
 use crate::tokenizer::{Tokenizer, TokenizerError};
-use crate::weights::{WeightsError, load_hf_dir, load_transformer};
+use crate::weights::{SafetensorsSource, WeightsError, load_transformer};
 
 /// Errors of model lookup and loading.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +128,9 @@ pub fn resolve(spec: &str) -> Result<ModelSource, ZooError> {
     }
 }
 
-/// Load a model and its tokenizer from a spec (see [`resolve`]).
+/// Load a model and its tokenizer from a spec (see [`resolve`]). A tokenizer with ids the
+/// model's vocabulary lacks is an error ([`Tokenizer::check_vocab`]), found before the weights
+/// are read. Never panics on corrupt files (see [`crate::weights`], [`crate::gguf`]).
 pub fn load_with_tokenizer(
     spec: &str,
     device: &Device,
@@ -135,13 +138,18 @@ pub fn load_with_tokenizer(
     match resolve(spec)? {
         ModelSource::HfDir(dir) => {
             let tok = Tokenizer::from_hf_dir(&dir)?;
-            let model = load_hf_dir(&dir, device)?;
+            let cfg = TransformerConfig::from_hf_config_file(dir.join("config.json"))
+                .map_err(WeightsError::from)?;
+            tok.check_vocab(cfg.vocab_size)?;
+            let src = SafetensorsSource::open_dir(&dir)?;
+            let model = load_transformer(&cfg, &src, device)?;
             Ok((model, tok))
         }
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(&path)?;
             let cfg = file.config()?;
             let tok = Tokenizer::from_gguf(&file)?;
+            tok.check_vocab(cfg.vocab_size)?;
             let model = load_transformer(&cfg, &GgufSource::new(&file, &cfg), device)?;
             Ok((model, tok))
         }

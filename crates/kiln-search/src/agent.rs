@@ -24,9 +24,18 @@ use crate::protocol::{Episode, Generated, Passage, STOP_STRINGS, Trajectory};
 use crate::rollout::{SearchBackend, TurnPolicy, TurnRequest};
 use crate::task::{RefinerRequest, RefinerScorer};
 
-/// Encodes text without special tokens; errors become [`Error::Policy`].
+/// Encodes text from outside the model (observations, passages, questions) as plain text: special-token strings
+/// in it are never control tokens (the protocol tags, non-special added tokens, still match); no BOS. Errors
+/// become [`Error::Policy`].
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Error> {
     tok.encode(text, false)
+        .map_err(|e| Error::Policy(format!("tokenizer: {e}")))
+}
+
+/// Encodes a rendered prompt: the chat template's framing (when the prompt template was chat-wrapped) becomes
+/// its control ids, everything else (the question, passages) plain text ([`Tokenizer::encode_prompt`]).
+pub fn encode_prompt(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, Error> {
+    tok.encode_prompt(prompt)
         .map_err(|e| Error::Policy(format!("tokenizer: {e}")))
 }
 
@@ -34,7 +43,7 @@ pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Error> {
 /// of text-only turns), each on its own.
 pub fn tokenize_episode(tok: &Tokenizer, t: &mut Trajectory) -> Result<(), Error> {
     if t.prompt_token_ids.is_none() {
-        t.prompt_token_ids = Some(encode(tok, &t.prompt)?);
+        t.prompt_token_ids = Some(encode_prompt(tok, &t.prompt)?);
     }
     let mut err = None;
     t.tokenize_missing(|s| match encode(tok, s) {
@@ -56,7 +65,7 @@ pub fn context_ids(tok: &Tokenizer, ep: &Episode) -> Result<Vec<u32>, Error> {
     let t = &ep.trajectory;
     let mut ids = match &t.prompt_token_ids {
         Some(p) => p.clone(),
-        None => encode(tok, &t.prompt)?,
+        None => encode_prompt(tok, &t.prompt)?,
     };
     for seg in t.segments() {
         match &seg.token_ids {

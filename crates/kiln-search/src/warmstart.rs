@@ -31,7 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::agent::{encode, padded, tokenize_episode};
+use crate::agent::{encode, encode_prompt, padded, tokenize_episode};
 use crate::protocol::{
     ANSWER_CLOSE, ANSWER_OPEN, DIRECT_TEMPLATE, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_OBSERVATION,
     PromptTemplate, ProtocolConfig, RAG_TEMPLATE, SEARCH_CLOSE, SEARCH_OPEN, SEARCH_R1_TEMPLATE,
@@ -379,7 +379,12 @@ pub fn build_examples(
             });
         }
         for (p, target, role) in &texts {
-            out.push(example_from(tok, encode(tok, &r(p))?, &r(target), role)?);
+            out.push(example_from(
+                tok,
+                encode_prompt(tok, &r(p))?,
+                &r(target),
+                role,
+            )?);
         }
     }
     Ok((out, dropped))

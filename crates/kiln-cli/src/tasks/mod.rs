@@ -159,7 +159,9 @@ pub fn check_task(raw: &RawRecipe) -> Result<&'static dyn Task, RecipeError> {
             ),
         });
     };
-    raw.check_keys(&found.schemas())?;
+    let schemas = found.schemas();
+    raw.check_keys(&schemas)?;
+    crate::resources::check(raw, &schemas)?;
     Ok(found)
 }
 
