@@ -567,19 +567,47 @@ fn a_revised_row_is_the_kept_prefix_ids_then_the_regenerated_suffix_ids() {
         max_new_tokens: 20,
         ..Default::default()
     };
-    let mut revised = search_task(f, sampling.clone(), 3, 3, Some(true), 6);
-    let mut original = search_task(f, sampling, 3, 3, None, 6);
-    let ra = revised
-        .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(29))
-        .unwrap();
-    let rb = original
-        .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(29))
-        .unwrap();
+    let (mut checked, mut differ, mut cut_late) = (0, 0, 0);
+    // Rollouts until a cut after step 1 was seen (a random policy often ends after one step).
+    for seed in 29..45u64 {
+        if cut_late > 0 && checked >= 6 {
+            break;
+        }
+        let mut revised = search_task(f, sampling.clone(), 3, 3, Some(true), seed);
+        let mut original = search_task(f, sampling.clone(), 3, 3, None, seed);
+        let ra = revised
+            .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(seed))
+            .unwrap();
+        let rb = original
+            .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(seed))
+            .unwrap();
+        check_revised_rows(f, &ra, &rb, &mut checked, &mut differ, &mut cut_late);
+    }
+    assert!(checked >= 6, "only {checked} revised trajectories");
+    assert_eq!(
+        differ, checked,
+        "a cut step came back unchanged: it was kept, not regenerated"
+    );
+    assert!(
+        cut_late > 0,
+        "no cut after step 1: the kept prefix was never more than the prompt"
+    );
+}
+
+/// The checks of [`a_revised_row_is_the_kept_prefix_ids_then_the_regenerated_suffix_ids`] on one
+/// pair of rollouts (`ra` with the refiner, `rb` the same seed without), counting what was checked.
+fn check_revised_rows(
+    f: &Fixture,
+    ra: &kiln_rl::Rollout<kiln_search::grpo::SearchData>,
+    rb: &kiln_rl::Rollout<kiln_search::grpo::SearchData>,
+    checked: &mut usize,
+    differ: &mut usize,
+    cut_late: &mut usize,
+) {
     assert_eq!(ra.data.len(), rb.data.len());
     assert!((0..rb.data.len()).all(|i| rb.data.regenerated_from(i).is_none()));
     let sampled = ra.sampled_logp.as_ref().expect("sampled log-probs");
     let t = ra.max_actions;
-    let (mut checked, mut differ, mut cut_late) = (0, 0, 0);
     for i in 0..ra.data.len() {
         let (row_a, start_a) = ra.data.actor_row(i);
         let (row_b, start_b) = rb.data.actor_row(i);
@@ -634,17 +662,8 @@ fn a_revised_row_is_the_kept_prefix_ids_then_the_regenerated_suffix_ids() {
         // kept step would be identical; 20 tokens sampled at T = 1 do not repeat by chance).
         let step_a = &row_a[k..ra.data.step_ends(i)[j - 1]];
         let step_b = &row_b[k..ends_b[j - 1]];
-        differ += usize::from(step_a != step_b);
-        cut_late += usize::from(j > 1);
-        checked += 1;
+        *differ += usize::from(step_a != step_b);
+        *cut_late += usize::from(j > 1);
+        *checked += 1;
     }
-    assert!(checked >= 6, "only {checked} revised trajectories");
-    assert_eq!(
-        differ, checked,
-        "a cut step came back unchanged: it was kept, not regenerated"
-    );
-    assert!(
-        cut_late > 0,
-        "no cut after step 1: the kept prefix was never more than the prompt"
-    );
 }
