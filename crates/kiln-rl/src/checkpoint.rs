@@ -255,17 +255,18 @@ impl CheckpointManager {
     }
 
     /// Complete checkpoints, newest first, each verified ([`CheckpointManager::verify`] with this
-    /// manager's run directory): `Ok` with its state, or the reason it was rejected.
-    pub fn newest_first(&self) -> Vec<Result<(u64, PathBuf, TrainerState), Rejected>> {
+    /// manager's run directory) as the iterator reaches it: `Ok` with its state, or the reason it
+    /// was rejected. Lazy, so that a caller that stops at the first valid one hashes no older one.
+    pub fn newest_first(
+        &self,
+    ) -> impl Iterator<Item = Result<(u64, PathBuf, TrainerState), Rejected>> + use<> {
         let run_dir = self.dir.parent().map(Path::to_path_buf);
-        let mut all = self.list();
-        all.reverse();
-        all.into_iter()
-            .map(|(step, dir)| match Self::verify(&dir, run_dir.as_deref()) {
+        self.list().into_iter().rev().map(move |(step, dir)| {
+            match Self::verify(&dir, run_dir.as_deref()) {
                 Ok(st) => Ok((step, dir, st)),
                 Err(reason) => Err(Rejected { dir, reason }),
-            })
-            .collect()
+            }
+        })
     }
 
     /// Write a checkpoint atomically. `write_tensors` writes the model and optimiser files into the

@@ -386,11 +386,11 @@ impl<T: RlTask> Trainer<T> {
     /// and the next older one is used. Nothing of the trainer changes until a checkpoint has
     /// loaded completely.
     pub fn resume(&mut self) -> Result<Option<u64>, TrainError> {
-        let candidates = self.ckpt.newest_first();
-        if candidates.is_empty() {
+        if self.ckpt.list().is_empty() {
             return Ok(None);
         }
         self.verify_reference()?;
+        let candidates = self.ckpt.newest_first();
         let mut rejected = Vec::new();
         for c in candidates {
             let (step, dir, state) = match c {
