@@ -525,7 +525,6 @@ mod tests {
 
     fn verified(m: &CheckpointManager) -> Vec<Result<u64, String>> {
         m.newest_first()
-            .into_iter()
             .map(|c| c.map(|(s, _, _)| s).map_err(|r| r.reason))
             .collect()
     }
