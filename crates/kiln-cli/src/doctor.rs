@@ -130,6 +130,31 @@ fn simd_features() -> Vec<(&'static str, bool)> {
     }
 }
 
+/// The f32 matmul kernels burn-flex's gemm dispatches to on this CPU. Every build carries the
+/// AVX-512 kernels (burn's `x86-v4` feature is on in the workspace) next to the FMA (AVX2) ones
+/// and the portable fallback; gemm checks the CPU once at run time, so one binary runs
+/// everywhere and is fast where the CPU allows.
+fn matmul_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            "AVX-512 (x86-64-v4)"
+        } else if std::arch::is_x86_feature_detected!("fma") {
+            "AVX2 + FMA (x86-64-v3)"
+        } else {
+            "portable (SSE2)"
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        "NEON"
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "portable"
+    }
+}
+
 fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
 }
@@ -259,6 +284,7 @@ pub fn report(args: &DoctorArgs) -> String {
             list.join(", ")
         );
     }
+    let _ = writeln!(o, "  matmul     {} kernels", matmul_kernels());
     match std::env::var("RAYON_NUM_THREADS") {
         Ok(n) => {
             let _ = writeln!(o, "  threads    RAYON_NUM_THREADS={n}");
