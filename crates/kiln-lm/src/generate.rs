@@ -384,6 +384,47 @@ pub fn score_tokens_with_entropy(
     (gather_next(logp, tokens), entropy)
 }
 
+/// [`score_tokens_with_entropy`] at chosen positions only: `at` `[B, K]` holds, per row, the
+/// positions `p >= 1` of the tokens to score (entry `[i, k]` = log p(tokens[i, p] | tokens[i, ..p]),
+/// from the hidden state at `p - 1`), and the output projection and softmax run on those `B x K`
+/// hidden states alone instead of all `B x T`. Returns `(logp, entropy)`, each `[B, K]`; the
+/// log-probs are differentiable, the entropy is detached. Positions must be in `1..T`; callers pad
+/// unused columns with any valid position and mask them out.
+///
+/// Why: the re-scoring of an RL step needs the log-probs of the generated tokens only (not of the
+/// prompt, observations or padding), and a refiner decision is one or two tokens after a prompt as
+/// long as the trajectory. With a large vocabulary (SmolLM2: 49,152) the projection and the
+/// `[B, T, V]` log-softmax are a large part of the forward and most of its memory.
+pub fn score_tokens_at(
+    model: &Transformer,
+    tokens: Tensor<2, Int>,
+    attention_mask: Tensor<2, Bool>,
+    at: Tensor<2, Int>,
+    temperature: f32,
+) -> (Tensor<2>, Tensor<2>) {
+    let [b, k] = at.dims();
+    let hidden = model.hidden_masked(tokens.clone(), attention_mask); // [b, t, h]
+    let h = hidden.dims()[2];
+    let src = at
+        .clone()
+        .sub_scalar(1)
+        .reshape([b, k, 1])
+        .expand([b, k, h]);
+    let logits = model.logits(hidden.gather(1, src)); // [b, k, v]
+    let logits = if temperature != 1.0 {
+        logits.div_scalar(temperature)
+    } else {
+        logits
+    };
+    let logp = log_softmax(logits, 2);
+    let entropy = {
+        let l = logp.clone().detach();
+        (l.clone().exp() * l).sum_dim(2).reshape([b, k]).neg()
+    };
+    let targets = tokens.gather(1, at).reshape([b, k, 1]);
+    (logp.gather(2, targets).reshape([b, k]), entropy)
+}
+
 /// `log_softmax(logits[:, :-1] / temperature)`, shape `[B, T-1, V]`: entry `p` is the
 /// distribution of token `p + 1`.
 fn next_token_log_softmax(
@@ -470,6 +511,48 @@ mod tests {
         let (_, flat) = score_tokens_with_entropy(&m, toks, mask, 1e6);
         for e in flat.into_data().try_into_vec_as::<f32>().unwrap() {
             assert!((e - ln_v).abs() < 1e-3, "{e} vs ln V = {ln_v}");
+        }
+    }
+
+    /// Scoring at chosen positions equals the full scoring at those positions (log-prob and
+    /// entropy), on a right-padded batch: the output projection at K positions is the same
+    /// computation as at all T.
+    #[test]
+    fn scoring_at_positions_equals_full_scoring_there() {
+        let m = model();
+        let device = m.device();
+        // Two rows, the second right-padded by two.
+        let toks = int2(&device, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0], [2, 6]);
+        let mask = bool2(
+            &device,
+            vec![
+                true, true, true, true, true, true, true, true, true, true, false, false,
+            ],
+            [2, 6],
+        );
+        let (full, full_ent) = score_tokens_with_entropy(&m, toks.clone(), mask.clone(), 0.7);
+        let full: Vec<f32> = full.into_data().try_into_vec_as::<f32>().unwrap();
+        let full_ent: Vec<f32> = full_ent.into_data().try_into_vec_as::<f32>().unwrap();
+        // Row 0: positions 5, 2, 3; row 1: 1, 3, 3 (a repeated column).
+        let at_v = [5usize, 2, 3, 1, 3, 3];
+        let at = int2(&device, at_v.iter().map(|&p| p as i64).collect(), [2, 3]);
+        let (lp, ent) = score_tokens_at(&m, toks, mask, at, 0.7);
+        let lp: Vec<f32> = lp.into_data().try_into_vec_as::<f32>().unwrap();
+        let ent: Vec<f32> = ent.into_data().try_into_vec_as::<f32>().unwrap();
+        for (k, &p) in at_v.iter().enumerate() {
+            let row = k / 3;
+            let want = full[row * 5 + p - 1];
+            assert!(
+                (lp[k] - want).abs() < 1e-5,
+                "[{row}, {p}]: {} vs {want}",
+                lp[k]
+            );
+            let want_e = full_ent[row * 5 + p - 1];
+            assert!(
+                (ent[k] - want_e).abs() < 1e-5,
+                "entropy {} vs {want_e}",
+                ent[k]
+            );
         }
     }
 

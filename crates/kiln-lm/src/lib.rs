@@ -14,7 +14,8 @@ pub mod zoo;
 
 pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
 pub use generate::{
-    FinishReason, Generation, SamplingConfig, generate, score_tokens, score_tokens_with_entropy,
+    FinishReason, Generation, SamplingConfig, generate, score_tokens, score_tokens_at,
+    score_tokens_with_entropy,
 };
 pub use gguf::load_gguf;
 pub use model::{KvCache, Transformer, positions_from_mask};

@@ -379,10 +379,21 @@ impl Transformer {
         tokens: Tensor<2, Int>,
         attention_mask: Tensor<2, Bool>,
     ) -> Tensor<3> {
+        self.logits(self.hidden_masked(tokens, attention_mask))
+    }
+
+    /// The hidden states of [`Self::forward_masked`] before the final norm and the output
+    /// projection, `[B, T, hidden]`: for callers that need the logits at a few positions only
+    /// (gather the positions, then [`Self::logits`]), where the projection to a large vocabulary
+    /// would otherwise dominate the cost and the memory.
+    pub fn hidden_masked(
+        &self,
+        tokens: Tensor<2, Int>,
+        attention_mask: Tensor<2, Bool>,
+    ) -> Tensor<3> {
         let positions = positions_from_mask(attention_mask.clone());
         let mask = key_padding_mask(attention_mask);
-        let hidden = self.hidden_states(tokens, positions, Some(mask), self.config.causal, None);
-        self.logits(hidden)
+        self.hidden_states(tokens, positions, Some(mask), self.config.causal, None)
     }
 
     /// Incremental forward for generation: runs `tokens` `[B, T_new]` at `positions`

@@ -6,6 +6,7 @@ pub mod advantage;
 pub mod checkpoint;
 pub mod digest;
 pub mod driver;
+pub mod dynamic;
 pub mod loss;
 pub mod optim;
 pub mod sampler;

@@ -58,10 +58,13 @@ pub struct TrainerConfig {
     /// Largest allowed `max |log p_train - log p_sampled|` over the policy tokens of a step: the
     /// log-probs the loss computes must be those the actions were sampled with, or the PPO ratio
     /// does not start at 1 and the gradient belongs to another distribution. Checked on every step
-    /// against the log-probs the task recorded while sampling ([`Rollout::sampled_logp`]), and on
-    /// the first minibatch against the rollout snapshot's re-scoring (non-deterministic scoring,
-    /// e.g. dropout). Logged as `ratio/max_abs_logp_diff`. Past it the step fails with an error
-    /// naming the task. 0 = off. Default 1e-3.
+    /// against the log-probs the task recorded while sampling ([`Rollout::sampled_logp`]), and,
+    /// when a step makes more than one pass (several minibatches or PPO epochs, where the old
+    /// log-probs are re-scored by the rollout snapshot), on the first minibatch against that
+    /// re-scoring (non-deterministic scoring, e.g. dropout). With one on-policy pass the old
+    /// log-probs are the minibatch's own, detached (no extra forward; `ratio/single_pass` = 1),
+    /// and the sampling check runs on them. Logged as `ratio/max_abs_logp_diff`. Past it the step
+    /// fails with an error naming the task. 0 = off. Default 1e-3.
     pub ratio_tolerance: f64,
     /// Placebo control (a debug switch for diagnostics, never for real training): before the
     /// advantages are computed, the groups' reward vectors are permuted among the groups of the
@@ -655,17 +658,29 @@ impl<T: RlTask> Trainer<T> {
             (0..n).collect()
         };
 
-        // 3. Old and reference log-probs, once per rollout batch (not needed when nothing is updated).
-        let t1 = Instant::now();
-        let (old_logp, ref_logp) = if order.is_empty() {
-            (Vec::new(), None)
+        // 3. Old and reference log-probs, once per rollout batch (not needed when nothing is
+        // updated). One on-policy pass (one epoch, one minibatch): the parameters that score the
+        // minibatch are the snapshot's, so the old log-probs are the minibatch's own, detached,
+        // and no separate forward runs; the sampling check below then compares those.
+        let epochs = if order.is_empty() {
+            0
         } else {
-            let old = self.score_all(&snapshot, &rollout.data, n, t, &order, mb);
-            let r = self
-                .reference
+            self.opts.trainer.ppo_epochs.max(1)
+        };
+        let single_pass = epochs == 1 && order.len() <= mb;
+        m.insert("ratio/single_pass".into(), f64::from(u8::from(single_pass)));
+        let t1 = Instant::now();
+        let old_logp = if order.is_empty() || single_pass {
+            Vec::new()
+        } else {
+            self.score_all(&snapshot, &rollout.data, n, t, &order, mb)
+        };
+        let ref_logp = if order.is_empty() {
+            None
+        } else {
+            self.reference
                 .as_ref()
-                .map(|r| self.score_all(r, &rollout.data, n, t, &order, mb));
-            (old, r)
+                .map(|r| self.score_all(r, &rollout.data, n, t, &order, mb))
         };
         drop(snapshot);
         let t_score = t1.elapsed().as_secs_f64();
@@ -673,6 +688,7 @@ impl<T: RlTask> Trainer<T> {
         // The policy ratio must start at 1: the re-scored log-probs are the sampled ones.
         if let Some(sampled) = &rollout.sampled_logp
             && !order.is_empty()
+            && !single_pass
         {
             let d = max_masked_diff(&old_logp, sampled, &rollout.action_mask, t, &order);
             m.insert("ratio/max_abs_logp_diff".into(), d);
@@ -684,11 +700,6 @@ impl<T: RlTask> Trainer<T> {
         let mut stats_acc: Vec<LossStats> = Vec::new();
         let mut grad_norms = Vec::new();
         let mut skipped = 0u32;
-        let epochs = if order.is_empty() {
-            0
-        } else {
-            self.opts.trainer.ppo_epochs.max(1)
-        };
         let mut first_minibatch = true;
         for _epoch in 0..epochs {
             if self.opts.trainer.shuffle {
@@ -697,20 +708,34 @@ impl<T: RlTask> Trainer<T> {
             for idx in order.chunks(mb) {
                 let b = idx.len();
                 let scored = self.task.score(&self.model, &rollout.data, idx);
+                let mut own_old = None;
                 if std::mem::take(&mut first_minibatch) {
-                    // Same weights as the snapshot that scored `old_logp`: any difference is
-                    // non-deterministic scoring (dropout, a stateful task).
                     let new = to_host(scored.logp.clone().detach());
                     let rows: Vec<usize> = (0..b).collect();
-                    let old = Self::gather_rows(&old_logp, t, idx);
                     let mask = Self::gather_rows(&rollout.action_mask, t, idx);
-                    let d = max_masked_diff(&new, &old, &mask, t, &rows);
-                    m.insert("ratio/first_minibatch_max_abs_diff".into(), d);
-                    self.check_ratio(d, "the rollout snapshot")?;
+                    if single_pass {
+                        // The minibatch is the whole batch: its log-probs against the sampled
+                        // ones (the ratio at the start of the update).
+                        if let Some(sampled) = &rollout.sampled_logp {
+                            let s = Self::gather_rows(sampled, t, idx);
+                            let d = max_masked_diff(&new, &s, &mask, t, &rows);
+                            m.insert("ratio/max_abs_logp_diff".into(), d);
+                            self.check_ratio(d, "sampling")?;
+                        }
+                        own_old = Some(new);
+                    } else {
+                        // Same weights as the snapshot that scored `old_logp`: any difference
+                        // is non-deterministic scoring (dropout, a stateful task).
+                        let old = Self::gather_rows(&old_logp, t, idx);
+                        let d = max_masked_diff(&new, &old, &mask, t, &rows);
+                        m.insert("ratio/first_minibatch_max_abs_diff".into(), d);
+                        self.check_ratio(d, "the rollout snapshot")?;
+                    }
                 }
+                let old = own_old.unwrap_or_else(|| Self::gather_rows(&old_logp, t, idx));
                 let inputs = LossInputs {
                     logp: scored.logp,
-                    old_logp: self.tensor(Self::gather_rows(&old_logp, t, idx), b, t),
+                    old_logp: self.tensor(old, b, t),
                     ref_logp: ref_logp
                         .as_ref()
                         .map(|r| self.tensor(Self::gather_rows(r, t, idx), b, t)),

@@ -2,6 +2,7 @@
 //! exactly, and its non-finite guard skips bad updates and aborts without writing a checkpoint.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::log_softmax;
@@ -39,6 +40,8 @@ struct Bandit {
     /// From step `.0` on, sample at temperature `.1` while `score` stays at temperature 1: the
     /// mismatch a task that ignores its sampling temperature in training would have.
     hot_from: Option<(u64, f32)>,
+    /// Rows scored so far (every `score` call adds its batch size).
+    scored_rows: AtomicUsize,
 }
 
 struct Data {
@@ -124,6 +127,7 @@ impl RlTask for Bandit {
     fn score(&self, policy: &Table, data: &Data, indices: &[usize]) -> Scored {
         let device = dev(policy);
         let b = indices.len();
+        self.scored_rows.fetch_add(b, Ordering::Relaxed);
         let ctx: Vec<i64> = indices.iter().map(|&i| data.ctx[i] as i64).collect();
         let acts: Vec<i64> = indices
             .iter()
@@ -197,6 +201,7 @@ fn trainer_with(
             nan_rewards: nan,
             constant,
             hot_from: None,
+            scored_rows: AtomicUsize::new(0),
         },
         Table::new(&device),
         device,
@@ -215,6 +220,7 @@ fn bandit_trainer(o: TrainerOptions, hot_from: Option<(u64, f32)>) -> Trainer<Ba
             nan_rewards: false,
             constant: false,
             hot_from,
+            scored_rows: AtomicUsize::new(0),
         },
         Table::new(&device),
         device,
@@ -338,6 +344,44 @@ fn a_task_that_scores_another_distribution_than_it_samples_fails_the_step() {
         msg.contains("`bandit`") && msg.contains("ratio_tolerance"),
         "{msg}"
     );
+}
+
+/// One on-policy pass (one epoch, one minibatch holding the whole batch): the old log-probs are
+/// the minibatch's own, so each step scores its 32 rows once (no snapshot forward; no reference
+/// with `kl_beta: 0`), the sampling check still runs on them, and the bandit still learns. With
+/// two minibatches the snapshot re-scores every row first (32 + 32 rows per step).
+#[test]
+fn one_on_policy_pass_scores_each_row_once_and_keeps_the_ratio_guard() {
+    let single = |dir: &std::path::Path, mini_batch: usize| {
+        let mut o = opts(dir, 30);
+        o.trainer.ppo_epochs = 1;
+        o.trainer.mini_batch_size = mini_batch;
+        o.algorithm.kl_beta = 0.0;
+        o
+    };
+    let d = tempfile::tempdir().unwrap();
+    let mut t = bandit_trainer(single(d.path(), 32), None);
+    for step in 1..=3 {
+        let m = t.train_step().unwrap();
+        assert_eq!(m["ratio/single_pass"], 1.0, "{m:?}");
+        assert!(m["ratio/max_abs_logp_diff"] < 1e-5, "{m:?}");
+        assert!(!m.contains_key("ratio/first_minibatch_max_abs_diff"));
+        assert_eq!(t.task().scored_rows.load(Ordering::Relaxed), 32 * step);
+    }
+    let s = t.run().unwrap();
+    assert!(s.eval["eval/p_best"] > 0.8, "{:?}", s.eval);
+    // The guard still fails a step whose sampling and scoring distributions differ.
+    let d = tempfile::tempdir().unwrap();
+    let mut t = bandit_trainer(single(d.path(), 32), Some((1, 0.5)));
+    t.train_step().unwrap();
+    let e = t.train_step().unwrap_err();
+    assert!(matches!(e, TrainError::RatioCheck { .. }), "{e}");
+    // Two minibatches of 16: the snapshot scores the 32 rows, then the minibatches do.
+    let d = tempfile::tempdir().unwrap();
+    let mut t = bandit_trainer(single(d.path(), 16), None);
+    let m = t.train_step().unwrap();
+    assert_eq!(m["ratio/single_pass"], 0.0);
+    assert_eq!(t.task().scored_rows.load(Ordering::Relaxed), 64);
 }
 
 /// Zero advantages (every reward equal) with the policy equal to the reference: the policy

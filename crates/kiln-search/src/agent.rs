@@ -230,24 +230,22 @@ pub fn padded(
 /// of each row is used). Rows must be non-empty and fit the model's window.
 pub fn next_token_logprobs(model: &Transformer, rows: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let device = model.device();
-    let (toks, mask, w) = padded(rows, &device);
+    let (toks, mask, _) = padded(rows, &device);
     let b = rows.len();
-    let logits = model.forward_masked(toks, mask); // [b, w, V]
-    let v = logits.dims()[2];
+    // The output projection at each row's last real position only (not at every position).
+    let hidden = model.hidden_masked(toks, mask); // [b, w, h]
+    let h = hidden.dims()[2];
     let idx: Vec<i64> = rows
         .iter()
-        .flat_map(|r| {
-            let last = (r.len().max(1) - 1) as i64;
-            std::iter::repeat_n(last, v)
-        })
+        .flat_map(|r| std::iter::repeat_n((r.len().max(1) - 1) as i64, h))
         .collect();
-    let idx = Tensor::<3, Int>::from_data(TensorData::new(idx, [b, 1, v]), &device);
-    let last = logits.gather(1, idx).reshape([b, v]);
-    let lp: Vec<f32> = log_softmax(last, 1)
+    let idx = Tensor::<3, Int>::from_data(TensorData::new(idx, [b, 1, h]), &device);
+    let logits = model.logits(hidden.gather(1, idx)); // [b, 1, v]
+    let v = logits.dims()[2];
+    let lp: Vec<f32> = log_softmax(logits.reshape([b, v]), 1)
         .into_data()
         .try_into_vec_as::<f32>()
         .unwrap_or_default();
-    let _ = w;
     lp.chunks(v).map(<[f32]>::to_vec).collect()
 }
 

@@ -12,7 +12,8 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln_lm::{SamplingConfig, Tokenizer, Transformer, score_tokens_with_entropy};
+use kiln_lm::{SamplingConfig, Tokenizer, Transformer, score_tokens_at};
+use kiln_rl::dynamic::{DynamicDraw, DynamicSamplingConfig};
 use kiln_rl::{EpochSampler, RlTask, Rollout, Scored, TaskError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -26,7 +27,7 @@ use crate::data::QaExample;
 use crate::eval::EvalMode;
 use crate::protocol::{PromptTemplate, Trajectory};
 use crate::reward::DeterministicJudge;
-use crate::task::{BatchConfig, RolloutItem, evaluate, rollout_batch};
+use crate::task::{BatchConfig, BatchOutput, RolloutItem, evaluate, merge_rounds, rollout_batch};
 
 /// Settings of the GRPO task (the recipe's `search` section).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -42,6 +43,10 @@ pub struct SearchTaskConfig {
     pub eval_questions: usize,
     /// Sequences per forward pass when re-scoring (memory bound). Default 64.
     pub max_batch: usize,
+    /// DAPO's dynamic sampling ([`kiln_rl::dynamic`]): draw more questions until the batch holds
+    /// `questions_per_step` informative groups (rewards not all equal), dropping the uniform ones
+    /// (at most `max_draw_factor x questions_per_step` questions per step). Logged under `dynamic/`.
+    pub dynamic_sampling: DynamicSamplingConfig,
     /// Process-reward judge: `deterministic` (a passage contains a gold alias or is a gold supporting
     /// passage) or `llm` (a kiln-lm model answers yes/no, see [`crate::agent::LmJudge`]; the policy itself
     /// unless the recipe's `judge_model` names another model).
@@ -73,6 +78,7 @@ impl Default for SearchTaskConfig {
             batch: BatchConfig::default(),
             eval_questions: 100,
             max_batch: 64,
+            dynamic_sampling: DynamicSamplingConfig::default(),
             judge: JudgeKind::Deterministic,
         }
     }
@@ -196,6 +202,9 @@ impl SearchTask {
                 "search.questions_per_step must be at least 1".into(),
             ));
         }
+        cfg.dynamic_sampling
+            .validate()
+            .map_err(|e| Error::Invalid(format!("search.{e}")))?;
         template.validate()?;
         cfg.batch.protocol.validate()?;
         check_training_sampling(&cfg.sampling)?;
@@ -217,12 +226,110 @@ impl SearchTask {
         self
     }
 
-    fn next_questions(&mut self) -> Vec<QaExample> {
+    fn next_questions(&mut self, n: usize) -> Vec<QaExample> {
         self.sampler
-            .take(self.cfg.questions_per_step)
+            .take(n)
             .into_iter()
             .map(|i| self.train[i].clone())
             .collect()
+    }
+
+    /// One rollout round: `n` questions from the sampler x G trajectories, refined and rewarded.
+    fn rollout_round(
+        &mut self,
+        policy: &Transformer,
+        n: usize,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<BatchOutput, TaskError> {
+        let questions = self.next_questions(n);
+        let mut actor_rng = ChaCha8Rng::seed_from_u64(rng.random());
+        let mut actor = LmActor::new(
+            policy,
+            &self.tokenizer,
+            self.cfg.sampling.clone(),
+            &mut actor_rng,
+        );
+        actor.max_batch = self.cfg.max_batch;
+        let mut refiner = LmRefiner {
+            model: policy,
+            tokenizer: &self.tokenizer,
+            max_batch: self.cfg.max_batch,
+        };
+        let mut det = DeterministicJudge::default();
+        let mut llm = match &self.judge_model {
+            Some((m, t)) => LmJudge {
+                model: m,
+                tokenizer: t,
+            },
+            None => LmJudge {
+                model: policy,
+                tokenizer: &self.tokenizer,
+            },
+        };
+        let judge: &mut dyn crate::reward::ProcessJudge = match self.cfg.judge {
+            JudgeKind::Deterministic => &mut det,
+            JudgeKind::Llm => &mut llm,
+        };
+        let scorer: Option<&mut dyn crate::task::RefinerScorer> = if self.cfg.batch.refiner.enabled
+        {
+            Some(&mut refiner)
+        } else {
+            None
+        };
+        rollout_batch(
+            &questions,
+            &self.template,
+            &self.cfg.batch,
+            &mut actor,
+            &self.search,
+            scorer,
+            judge,
+            rng,
+        )
+        .map_err(task_err)
+    }
+
+    /// The trainer's view of a (merged) rollout batch: packed rows, rewards and metrics.
+    fn pack_rollout(
+        &self,
+        policy: &Transformer,
+        out: BatchOutput,
+    ) -> Result<Rollout<SearchData>, TaskError> {
+        let window = policy.config().max_position_embeddings;
+        let n = out.items.len();
+        let packed = self.pack_rows(&out.items, window)?;
+        let mut metrics = out.metrics();
+        let policy_tokens = packed.policy_tokens as f64;
+        metrics.insert(
+            "rollout/response_tokens".into(),
+            packed.response_tokens as f64 / n as f64,
+        );
+        metrics.insert("rollout/policy_tokens".into(), policy_tokens / n as f64);
+        metrics.insert(
+            "rollout/generated_tokens_per_s".into(),
+            policy_tokens / out.rollout.generate_seconds.max(1e-9),
+        );
+        metrics.insert(
+            "rollout/retrieval_calls_per_s".into(),
+            out.rollout.search_calls as f64 / out.rollout.search_seconds.max(1e-9),
+        );
+        let answered = out
+            .items
+            .iter()
+            .filter(|i| i.reward.answer.is_some())
+            .count();
+        metrics.insert("rollout/answered".into(), answered as f64 / n as f64);
+        let max_actions = packed.data.ta + packed.data.td;
+        Ok(Rollout {
+            data: packed.data,
+            group_size: self.cfg.batch.group_size,
+            rewards: out.totals(),
+            step_rewards: None,
+            max_actions,
+            action_mask: packed.action_mask,
+            metrics,
+            sampled_logp: packed.sampled_logp,
+        })
     }
 
     /// The re-scoring rows of a rollout batch: per trajectory the `prompt + response` ids (cut to
@@ -414,11 +521,11 @@ fn fit_window(mut ids: Vec<u32>, extra: usize, window: usize) -> Vec<u32> {
     ids
 }
 
-/// Log-probs `[b, width]` of the tokens `rows[i][start[i] + k]`, `k < width` (0 where the row is
-/// shorter), under `log_softmax(logits / temperature)`: the distribution the tokens were drawn
-/// from (the sampling temperature for the actor's tokens, 1 for the refiner's decision); and the
-/// entropy of that distribution at the same positions, detached (see
-/// [`score_tokens_with_entropy`]).
+/// Log-probs `[b, width]` of the tokens `rows[i][start[i] + k]`, `k < width` (a meaningless value
+/// where the row is shorter: the action mask is 0 there), under `log_softmax(logits / temperature)`:
+/// the distribution the tokens were drawn from (the sampling temperature for the actor's tokens, 1
+/// for the refiner's decision); and the entropy of that distribution at the same positions,
+/// detached (see [`score_tokens_at`]).
 fn gather_actions(
     model: &Transformer,
     rows: &[Vec<u32>],
@@ -433,22 +540,18 @@ fn gather_actions(
         let z = Tensor::zeros([b, width.max(1)], &device).slice([0..b, 0..width]);
         return (z.clone(), z);
     }
-    // [b, w-1]: entry p = log p(token p+1), and the entropy of that distribution.
-    let (lp, ent) = score_tokens_with_entropy(model, toks, mask, temperature);
-    let mut idx = Vec::with_capacity(b * width);
+    // Column k of row i is the token at position start[i] + k; the output projection runs at
+    // those positions only (not on the prompt, observations before the first action, or padding).
+    let mut at = Vec::with_capacity(b * width);
     for (r, &s) in rows.iter().zip(start) {
         for k in 0..width {
             let pos = s + k; // the token's position in the row
-            let e = if pos >= 1 && pos < r.len() {
-                pos - 1
-            } else {
-                0
-            };
-            idx.push(e as i64);
+            let p = if pos >= 1 && pos < r.len() { pos } else { 1 };
+            at.push(p as i64);
         }
     }
-    let idx = Tensor::<2, Int>::from_data(TensorData::new(idx, [b, width]), &device);
-    (lp.gather(1, idx.clone()), ent.gather(1, idx))
+    let at = Tensor::<2, Int>::from_data(TensorData::new(at, [b, width]), &device);
+    score_tokens_at(model, toks, mask, at, temperature)
 }
 
 impl RlTask for SearchTask {
@@ -465,87 +568,19 @@ impl RlTask for SearchTask {
         _step: u64,
         rng: &mut ChaCha8Rng,
     ) -> Result<Rollout<SearchData>, TaskError> {
-        let questions = self.next_questions();
-        let window = policy.config().max_position_embeddings;
-        let mut actor_rng = ChaCha8Rng::seed_from_u64(rng.random());
-        let mut actor = LmActor::new(
-            policy,
-            &self.tokenizer,
-            self.cfg.sampling.clone(),
-            &mut actor_rng,
-        );
-        actor.max_batch = self.cfg.max_batch;
-        let mut refiner = LmRefiner {
-            model: policy,
-            tokenizer: &self.tokenizer,
-            max_batch: self.cfg.max_batch,
-        };
-        let mut det = DeterministicJudge::default();
-        let mut llm = match &self.judge_model {
-            Some((m, t)) => LmJudge {
-                model: m,
-                tokenizer: t,
-            },
-            None => LmJudge {
-                model: policy,
-                tokenizer: &self.tokenizer,
-            },
-        };
-        let judge: &mut dyn crate::reward::ProcessJudge = match self.cfg.judge {
-            JudgeKind::Deterministic => &mut det,
-            JudgeKind::Llm => &mut llm,
-        };
-        let scorer: Option<&mut dyn crate::task::RefinerScorer> = if self.cfg.batch.refiner.enabled
-        {
-            Some(&mut refiner)
-        } else {
-            None
-        };
-        let out = rollout_batch(
-            &questions,
-            &self.template,
-            &self.cfg.batch,
-            &mut actor,
-            &self.search,
-            scorer,
-            judge,
-            rng,
-        )
-        .map_err(task_err)?;
-        let n = out.items.len();
-        let packed = self.pack_rows(&out.items, window)?;
-        let mut metrics = out.metrics();
-        let policy_tokens = packed.policy_tokens as f64;
-        metrics.insert(
-            "rollout/response_tokens".into(),
-            packed.response_tokens as f64 / n as f64,
-        );
-        metrics.insert("rollout/policy_tokens".into(), policy_tokens / n as f64);
-        metrics.insert(
-            "rollout/generated_tokens_per_s".into(),
-            policy_tokens / out.rollout.generate_seconds.max(1e-9),
-        );
-        metrics.insert(
-            "rollout/retrieval_calls_per_s".into(),
-            out.rollout.search_calls as f64 / out.rollout.search_seconds.max(1e-9),
-        );
-        let answered = out
-            .items
-            .iter()
-            .filter(|i| i.reward.answer.is_some())
-            .count();
-        metrics.insert("rollout/answered".into(), answered as f64 / n as f64);
-        let max_actions = packed.data.ta + packed.data.td;
-        Ok(Rollout {
-            data: packed.data,
-            group_size: self.cfg.batch.group_size,
-            rewards: out.totals(),
-            step_rewards: None,
-            max_actions,
-            action_mask: packed.action_mask,
-            metrics,
-            sampled_logp: packed.sampled_logp,
-        })
+        // DAPO dynamic sampling (or, when off, one round of `questions_per_step` questions).
+        let g = self.cfg.batch.group_size.max(1);
+        let mut draw = DynamicDraw::new(&self.cfg.dynamic_sampling, self.cfg.questions_per_step, g);
+        let mut outputs = Vec::new();
+        while let Some(n) = draw.next_round() {
+            let round = self.rollout_round(policy, n, rng)?;
+            draw.record(&round.totals());
+            outputs.push(round);
+        }
+        let rounds = outputs.into_iter().zip(draw.finish()).collect();
+        let mut rollout = self.pack_rollout(policy, merge_rounds(rounds, g))?;
+        rollout.metrics.extend(draw.metrics());
+        Ok(rollout)
     }
 
     fn score(&self, policy: &Transformer, data: &SearchData, indices: &[usize]) -> Scored {

@@ -262,6 +262,18 @@ impl RefinerStats {
         }
     }
 
+    /// Adds the counts of `other` (another rollout round of the same step).
+    pub fn merge(&mut self, other: &RefinerStats) {
+        self.decided += other.decided;
+        self.revised += other.revised;
+        for (j, c) in &other.cut_histogram {
+            *self.cut_histogram.entry(*j).or_default() += c;
+        }
+        self.reward_before_sum += other.reward_before_sum;
+        self.reward_after_sum += other.reward_after_sum;
+        self.reward_pairs += other.reward_pairs;
+    }
+
     /// Records the reward of a revised trajectory before and after its revision.
     pub fn record_rewards(&mut self, before: f64, after: f64) {
         self.reward_before_sum += before;

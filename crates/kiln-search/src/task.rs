@@ -116,6 +116,46 @@ impl BatchOutput {
     }
 }
 
+/// Joins the rounds of one step's rollout (dynamic sampling) into one batch: of each round the groups
+/// of G whose `keep` flag is set, in order, with their question indices renumbered over the kept
+/// groups; the generation, search and refiner counters of every round (kept or not) are summed, the
+/// reward means are those of the kept trajectories.
+pub fn merge_rounds(rounds: Vec<(BatchOutput, Vec<bool>)>, group_size: usize) -> BatchOutput {
+    let g = group_size.max(1);
+    let mut items = Vec::new();
+    let mut rollout = RolloutStats::default();
+    let mut refiner = RefinerStats::default();
+    let mut refiner_seconds = 0.0;
+    let mut next_question = 0;
+    for (out, keep) in rounds {
+        rollout.add(&out.rollout);
+        refiner.merge(&out.refiner);
+        refiner_seconds += out.refiner_seconds;
+        let mut it = out.items.into_iter();
+        for k in keep {
+            let group: Vec<RolloutItem> = it.by_ref().take(g).collect();
+            if k {
+                for mut item in group {
+                    item.question = next_question;
+                    items.push(item);
+                }
+                next_question += 1;
+            }
+        }
+    }
+    let mut rewards = RewardStats::default();
+    for it in &items {
+        rewards.add(&it.reward);
+    }
+    BatchOutput {
+        items,
+        rollout,
+        rewards,
+        refiner,
+        refiner_seconds,
+    }
+}
+
 fn reward_of(
     ep: &Episode,
     ex: &QaExample,

@@ -75,6 +75,12 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
             "search.max_batch must be at least 1".into(),
         ));
     }
+    if let Err(e) = r.search.dynamic_sampling.validate() {
+        return Err(bad(
+            "search.dynamic_sampling.max_draw_factor",
+            format!("search.{e}"),
+        ));
+    }
     if !(r.search.batch.refiner.margin.is_finite()) {
         return Err(bad(
             "search.batch.refiner.margin",

@@ -432,6 +432,11 @@ fn search_task(
     cfg.batch.refiner.enabled = refiner.is_some();
     cfg.batch.refiner.joint = refiner.unwrap_or(false);
     cfg.batch.refiner.margin = -1e9;
+    task_from(f, cfg, seed)
+}
+
+/// A Search-R2 task over the fixture's world, tokenizer and index with the settings `cfg`.
+fn task_from(f: &Fixture, cfg: SearchTaskConfig, seed: u64) -> SearchTask {
     SearchTask::new(
         cfg,
         f.tok.clone(),
@@ -666,4 +671,66 @@ fn check_revised_rows(
         *cut_late += usize::from(j > 1);
         *checked += 1;
     }
+}
+
+/// Dynamic sampling at the task level: a random policy never answers right, so every group is
+/// uniform; the task draws `max_draw_factor x questions_per_step` questions in rounds, logs the
+/// draw, and (nothing informative) trains on the last round whole. With it off: one round, no
+/// `dynamic/` metrics.
+#[test]
+fn dynamic_sampling_draws_up_to_its_budget_and_logs_the_draw() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 31);
+    let mut cfg = SearchTaskConfig {
+        questions_per_step: 2,
+        sampling: SamplingConfig {
+            max_new_tokens: 12,
+            ..Default::default()
+        },
+        ..SearchTaskConfig::default()
+    };
+    cfg.batch.group_size = 3;
+    cfg.batch.protocol.max_turns = 2;
+    cfg.batch.refiner.enabled = false;
+    let mut off = task_from(f, cfg.clone(), 5);
+    let r = off
+        .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(3))
+        .unwrap();
+    assert_eq!(r.rewards.len(), 6);
+    assert!(!r.metrics.keys().any(|k| k.starts_with("dynamic/")));
+
+    cfg.dynamic_sampling.enabled = true;
+    cfg.dynamic_sampling.max_draw_factor = 2;
+    let mut on = task_from(f, cfg.clone(), 5);
+    let r = on
+        .rollout(&m, 0, &mut ChaCha8Rng::seed_from_u64(3))
+        .unwrap();
+    assert!(
+        r.rewards.iter().all(|x| *x == 0.0),
+        "a random policy answered"
+    );
+    assert_eq!(r.metrics["dynamic/drawn_questions"], 4.0);
+    assert_eq!(r.metrics["dynamic/rounds"], 2.0);
+    assert_eq!(r.metrics["dynamic/kept_groups"], 2.0);
+    assert_eq!(r.metrics["dynamic/dropped_groups"], 2.0);
+    assert_eq!(r.rewards.len(), 6, "the last round, kept whole");
+    assert_eq!(r.data.len(), 6);
+    assert_eq!(
+        r.sampled_logp.as_ref().map(Vec::len),
+        Some(6 * r.max_actions)
+    );
+    // The sampler moved past every drawn question: the next step starts at question 5.
+    assert_eq!(on.state()["cursor"], 4);
+
+    cfg.dynamic_sampling.max_draw_factor = 0;
+    let e = SearchTask::new(
+        cfg,
+        f.tok.clone(),
+        PromptTemplate::search_r1(),
+        f.search.clone(),
+        f.world.examples(Split::Train),
+        f.world.examples(Split::Dev),
+        5,
+    );
+    assert!(e.err().unwrap().to_string().contains("max_draw_factor"));
 }

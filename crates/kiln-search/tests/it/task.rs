@@ -228,3 +228,93 @@ fn evaluation_modes() {
             .all(|r| r.mode == "agent" && r.dataset == "toy")
     );
 }
+
+/// Dynamic sampling's batch: two rollout rounds joined by `merge_rounds` with the keep flags of
+/// kiln-rl's `DynamicDraw` (uniform groups dropped), question indices renumbered over the kept
+/// groups, counters of every round summed, reward means over the kept trajectories.
+#[test]
+fn dynamic_sampling_rounds_merge_into_the_informative_groups() {
+    use kiln_rl::dynamic::{DynamicDraw, DynamicSamplingConfig};
+    use kiln_search::task::merge_rounds;
+    // One search, then the right answer on even batch positions, a wrong one on odd positions,
+    // except question 1, which every trajectory answers right (a uniform group).
+    let mut pol = FnPolicy(|r: &TurnRequest<'_>| {
+        let q = r
+            .episode
+            .trajectory
+            .prompt
+            .rsplit("Question: ")
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        if r.episode.trajectory.steps.is_empty() {
+            return Generated::text(format!("<search>{q}</search>"));
+        }
+        if r.index.is_multiple_of(2) || q.ends_with(" 1") {
+            Generated::text(format!("<answer>X{}</answer>", q.len()))
+        } else {
+            Generated::text("<answer>wrong</answer>")
+        }
+    });
+    let cfg = BatchConfig {
+        group_size: 2,
+        refiner: RefinerConfig {
+            enabled: false,
+            ..Default::default()
+        },
+        reward: RewardConfig { process: false },
+        ..Default::default()
+    };
+    let qs: Vec<QaExample> = (0..5).map(ex).collect();
+    let dyn_cfg = DynamicSamplingConfig {
+        enabled: true,
+        max_draw_factor: 3,
+    };
+    let mut draw = DynamicDraw::new(&dyn_cfg, 3, 2);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let (mut outputs, mut next) = (Vec::new(), 0);
+    while let Some(n) = draw.next_round() {
+        let out = rollout_batch(
+            &qs[next..next + n],
+            &PromptTemplate::default(),
+            &cfg,
+            &mut pol,
+            &search,
+            None,
+            &mut DeterministicJudge::default(),
+            &mut rng,
+        )
+        .unwrap();
+        next += n;
+        draw.record(&out.totals());
+        outputs.push(out);
+    }
+    // Round 1: questions 0, 1, 2 (1 is uniform) -> 2 kept; round 2: question 3 -> 3 kept.
+    assert_eq!(next, 4, "one more question was drawn for the uniform group");
+    let keep = draw.finish();
+    assert_eq!(keep, vec![vec![true, false, true], vec![true]]);
+    let queries: f64 = outputs.iter().map(|o| o.metrics()["rollout/queries"]).sum();
+    let merged = merge_rounds(outputs.into_iter().zip(keep).collect(), 2);
+    assert_eq!(merged.items.len(), 6);
+    let questions: Vec<usize> = merged.items.iter().map(|i| i.question).collect();
+    assert_eq!(questions, vec![0, 0, 1, 1, 2, 2]);
+    let prompts: Vec<bool> = merged
+        .items
+        .iter()
+        .map(|i| i.episode.trajectory.prompt.contains("question number 1"))
+        .collect();
+    assert!(!prompts.contains(&true), "the uniform group was dropped");
+    assert_eq!(merged.totals(), vec![1.0, 0.0, 1.0, 0.0, 1.0, 0.0]);
+    let m = merged.metrics();
+    assert_eq!(
+        m["rollout/queries"], queries,
+        "every round's searches are counted"
+    );
+    assert_eq!(m["rollout/queries"], 8.0);
+    assert_eq!(m["reward/em"], 0.5, "reward means of the kept trajectories");
+    let dm = draw.metrics();
+    assert_eq!(dm["dynamic/drawn_questions"], 4.0);
+    assert_eq!(dm["dynamic/dropped_groups"], 1.0);
+    assert_eq!(dm["dynamic/drawn_reward_mean"], 5.0 / 8.0);
+}
