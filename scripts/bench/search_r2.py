@@ -31,6 +31,8 @@ def summary(rows):
         "batched retrieval calls / step": mean(rows, "rollout/search_calls"),
         "queries per step": mean(rows, "rollout/queries"),
         "share: generation": gen / st,
+        "share: of which prefill": mean(rows, "rollout/prefill_seconds") / st,
+        "prefill tokens / step (k)": mean(rows, "rollout/prefill_tokens") / 1000,
         "share: retrieval": ret / st,
         "share: refiner scoring": ref / st,
         "share: old/ref log-probs": mean(rows, "time/score_s") / st,

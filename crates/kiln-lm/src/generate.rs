@@ -112,6 +112,10 @@ pub struct Generation {
     pub logprobs: Vec<Vec<f32>>,
     /// Why each sequence stopped.
     pub finish: Vec<FinishReason>,
+    /// Wall time of the prefill (the prompts' forward up to the first sampled token), seconds.
+    pub prefill_seconds: f64,
+    /// Prompt tokens the prefill ran (padding excluded).
+    pub prefill_tokens: usize,
 }
 
 /// Turns token ids into text (for stop strings); implemented by the tokenizers of this crate.
@@ -236,6 +240,8 @@ pub fn generate(
         tokens: vec![Vec::new(); n],
         logprobs: vec![Vec::new(); n],
         finish: vec![FinishReason::Length; n],
+        prefill_seconds: 0.0,
+        prefill_tokens: 0,
     };
     if n == 0 || cfg.max_new_tokens == 0 {
         return out;
@@ -249,6 +255,7 @@ pub fn generate(
     let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
 
     // Prefill.
+    let t_prefill = std::time::Instant::now();
     let mut toks = Vec::with_capacity(n * max_len);
     let mut mask = Vec::with_capacity(n * max_len);
     for p in prompts {
@@ -276,6 +283,17 @@ pub fn generate(
     let last = hidden.slice([0..n, max_len - 1..max_len, 0..d]);
     let head = model.inference_head();
     let mut logits = model.logits_with_head(last, &head);
+    // Force the prefill's lazy work to finish inside its timer (the host copy below would
+    // otherwise absorb it into the first decode step).
+    let mut logits_host: Option<Vec<f32>> = Some(
+        logits
+            .clone()
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .expect("float logits"),
+    );
+    out.prefill_seconds = t_prefill.elapsed().as_secs_f64();
+    out.prefill_tokens = prompts.iter().map(Vec::len).sum();
 
     // Active rows: index into `prompts`, next position, key mask so far.
     let mut active: Vec<usize> = (0..n).collect();
@@ -283,10 +301,13 @@ pub fn generate(
     let mut key_mask: Vec<Vec<bool>> = mask.chunks(max_len).map(|c| c.to_vec()).collect();
 
     loop {
-        let rows: Vec<f32> = logits
-            .into_data()
-            .try_into_vec_as::<f32>()
-            .expect("float logits");
+        let rows: Vec<f32> = match logits_host.take() {
+            Some(r) => r,
+            None => logits
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .expect("float logits"),
+        };
         let mut step_tokens = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         for (r, &seq) in active.iter().enumerate() {
@@ -574,6 +595,8 @@ mod tests {
         };
         let g = run(5);
         assert_eq!(g.tokens, run(5).tokens);
+        assert_eq!(g.prefill_tokens, 7, "the prompts' tokens, padding excluded");
+        assert!(g.prefill_seconds > 0.0);
         let device = m.device();
         for (p, (toks, lps)) in prompts.iter().zip(g.tokens.iter().zip(&g.logprobs)) {
             assert!(toks.len() <= 6);

@@ -96,6 +96,10 @@ pub struct LmActor<'a> {
     pub rng: &'a mut ChaCha8Rng,
     /// Requests per generation call (memory bound; 0 = all at once).
     pub max_batch: usize,
+    /// Prefill wall time so far (seconds), summed over generation calls.
+    pub prefill_seconds: f64,
+    /// Context tokens prefilled so far.
+    pub prefill_tokens: usize,
 }
 
 impl<'a> LmActor<'a> {
@@ -118,6 +122,8 @@ impl<'a> LmActor<'a> {
             sampling,
             rng,
             max_batch: 0,
+            prefill_seconds: 0.0,
+            prefill_tokens: 0,
         }
     }
 }
@@ -174,6 +180,8 @@ impl TurnPolicy for LmActor<'_> {
                 self.rng,
                 Some(&Detok(self.tokenizer)),
             );
+            self.prefill_seconds += g.prefill_seconds;
+            self.prefill_tokens += g.prefill_tokens;
             for (k, t) in group.iter().enumerate() {
                 let ids = g.tokens[k].clone();
                 let text = self

@@ -276,7 +276,7 @@ impl SearchTask {
         } else {
             None
         };
-        rollout_batch(
+        let mut out = rollout_batch(
             &questions,
             &self.template,
             &self.cfg.batch,
@@ -286,7 +286,10 @@ impl SearchTask {
             judge,
             rng,
         )
-        .map_err(task_err)
+        .map_err(task_err)?;
+        out.rollout.prefill_seconds += actor.prefill_seconds;
+        out.rollout.prefill_tokens += actor.prefill_tokens;
+        Ok(out)
     }
 
     /// The trainer's view of a (merged) rollout batch: packed rows, rewards and metrics.

@@ -80,6 +80,12 @@ pub struct RolloutStats {
     pub generate_seconds: f64,
     /// Wall time spent in [`SearchBackend::search_batch`].
     pub search_seconds: f64,
+    /// Of `generate_seconds`, the prefills (each turn's context forward before its first token), as
+    /// far as the policy reports them (the model actor does; scripted policies leave 0).
+    pub prefill_seconds: f64,
+    /// Context tokens the prefills ran: every turn re-reads its whole transcript (no KV cache is
+    /// kept across turns), so this is the work a cache would save past the first turn.
+    pub prefill_tokens: usize,
 }
 
 impl RolloutStats {
@@ -96,6 +102,8 @@ impl RolloutStats {
             ),
             ("rollout/generate_seconds".into(), self.generate_seconds),
             ("rollout/search_seconds".into(), self.search_seconds),
+            ("rollout/prefill_seconds".into(), self.prefill_seconds),
+            ("rollout/prefill_tokens".into(), self.prefill_tokens as f64),
         ])
     }
 
@@ -109,6 +117,8 @@ impl RolloutStats {
         self.failed_searches += o.failed_searches;
         self.generate_seconds += o.generate_seconds;
         self.search_seconds += o.search_seconds;
+        self.prefill_seconds += o.prefill_seconds;
+        self.prefill_tokens += o.prefill_tokens;
     }
 }
 

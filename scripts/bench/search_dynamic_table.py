@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Table of scripts/bench/search_dynamic.sh: per run, the held-out EM of the final table (agent mode;
+direct and RAG beside it) with 95% bootstrap CIs over questions, the paired bootstrap difference of
+agent EM to the warm start (same questions), the train reward at the start and end of training (with
+dynamic sampling: the mean over every drawn trajectory, `dynamic/drawn_reward_mean`, not the kept
+groups' mean), updates, questions drawn, share of uniform groups and seconds per step.
+Usage: search_dynamic_table.py OUT_DIR [--window 20]"""
+import glob
+import json
+import math
+import os
+import random
+import sys
+
+RESAMPLES = 2000
+
+
+def jsonl(path):
+    out = []
+    if not os.path.isfile(path):
+        return out
+    for line in open(path):
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a torn last line of a killed run
+    return out
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def ci(samples):
+    s = sorted(samples)
+    return s[int(0.025 * len(s))], s[int(0.975 * len(s)) - 1]
+
+
+def boot(xs, rng):
+    if not xs:
+        return float("nan"), float("nan")
+    return ci([mean([rng.choice(xs) for _ in xs]) for _ in range(RESAMPLES)])
+
+
+def paired(a, b, rng):
+    """CI of mean(b - a) over the shared keys, questions resampled together."""
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return float("nan"), (float("nan"), float("nan")), 0
+    d = [b[k] - a[k] for k in keys]
+    return mean(d), boot(d, rng), len(keys)
+
+
+def final_eval(run_dir):
+    """{mode: {question id: em}} and {mode: [f1]} of the newest qa-step-N folder."""
+    evs = sorted(glob.glob(os.path.join(run_dir, "eval", "qa-step-*")),
+                 key=lambda p: int(p.rsplit("-", 1)[1]) if p.rsplit("-", 1)[1].isdigit() else -1)
+    if not evs:
+        return None, None
+    em, f1 = {}, {}
+    for r in jsonl(os.path.join(evs[-1], "transcripts.jsonl")):
+        em.setdefault(r["mode"], {})[r["id"]] = r["em"]
+        f1.setdefault(r["mode"], []).append(r["f1"])
+    return em, f1
+
+
+def main():
+    args = sys.argv[1:]
+    window = 20
+    if "--window" in args:
+        i = args.index("--window")
+        window = int(args[i + 1])
+        del args[i:i + 2]
+    out = args[0] if args else "runs/dynamic"
+    rng = random.Random(0)
+    runs = {}
+    for d in sorted(glob.glob(os.path.join(out, "*-2*"))):
+        if os.path.isdir(d):
+            runs[os.path.basename(d).rsplit("-2", 1)[0]] = d
+    base_em, _ = final_eval(runs["warm-start"]) if "warm-start" in runs else (None, None)
+    base = (base_em or {}).get("agent", {})
+    print(f"{out}: {len(runs)} runs; CIs: 95% bootstrap, {RESAMPLES} resamples\n")
+    print("| run | agent EM (95% CI) | F1 | direct EM | RAG EM | agent EM - warm start (paired) "
+          f"| train reward steps 1-{window} -> last {window} | updates | questions drawn "
+          "| uniform groups | s/step |")
+    print("|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
+    for name, d in runs.items():
+        em, f1 = final_eval(d)
+        rows = [r for r in jsonl(os.path.join(d, "metrics.jsonl")) if "reward/mean" in r]
+        if em is None:
+            print(f"| {name} | (no final table yet: {len(rows)} steps) |||||||||")
+            continue
+        ag = em.get("agent", {})
+        lo, hi = boot(list(ag.values()), rng)
+        cell = f"{100 * mean(list(ag.values())):.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+        if name != "warm-start" and base:
+            dm, (dlo, dhi), n = paired(base, ag, rng)
+            diff = f"{100 * dm:+.1f} [{100 * dlo:+.1f}, {100 * dhi:+.1f}] (n={n})"
+        else:
+            diff = ""
+        rw = [r.get("dynamic/drawn_reward_mean", r.get("reward/mean")) for r in rows]
+        first, last = mean(rw[:window]), mean(rw[-window:])
+        train = f"{first:.3f} -> {last:.3f}" if len(rows) > 1 else f"{first:.3f}"
+        upd = sum(1 for r in rows if r.get("updates", 0) > 0)
+        drawn = sum(r.get("dynamic/drawn_questions", 0) for r in rows)
+        drawn = f"{drawn:.0f}" if drawn else "-"
+        uni = mean([r.get("groups/uniform_frac") for r in rows])
+        sps = mean([r.get("time/step_s") for r in rows])
+        direct = 100 * mean(list(em.get("direct", {}).values()))
+        rag = 100 * mean(list(em.get("rag", {}).values()))
+        print(f"| {name} | {cell} | {100 * mean(f1.get('agent', [])):.1f} | {direct:.1f} | {rag:.1f} "
+              f"| {diff} | {train} | {upd} | {drawn} | {uni:.2f} | {sps:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
