@@ -7,6 +7,7 @@ pub mod config;
 pub mod diffusion;
 pub mod generate;
 pub mod gguf;
+pub mod lora;
 pub mod model;
 pub mod tokenizer;
 pub mod weights;
@@ -18,6 +19,7 @@ pub use generate::{
     score_tokens_with_entropy,
 };
 pub use gguf::load_gguf;
+pub use lora::{LoraAdapter, LoraConfig};
 pub use model::{KvCache, Transformer, positions_from_mask};
 pub use tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
 pub use weights::{WeightsError, load_hf_dir, save_hf_dir};

@@ -13,6 +13,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::config::TransformerConfig;
+use crate::lora::{LoraAdapter, project};
 
 /// A `[d_in, d_out]` linear layer with normal(0, std) weights and zero bias.
 pub(crate) fn init_linear(
@@ -53,6 +54,14 @@ pub struct Attention {
     pub v_proj: Linear,
     /// Output projection `[heads * head_dim, hidden]`.
     pub o_proj: Linear,
+    /// LoRA adapter of `q_proj` ([`crate::lora`]); `None` = not adapted.
+    pub q_lora: Option<LoraAdapter>,
+    /// LoRA adapter of `k_proj`.
+    pub k_lora: Option<LoraAdapter>,
+    /// LoRA adapter of `v_proj`.
+    pub v_lora: Option<LoraAdapter>,
+    /// LoRA adapter of `o_proj`.
+    pub o_lora: Option<LoraAdapter>,
     /// Number of query heads.
     pub n_heads: usize,
     /// Number of key/value heads.
@@ -70,6 +79,12 @@ pub struct Mlp {
     pub up_proj: Linear,
     /// Down projection `[intermediate, hidden]`.
     pub down_proj: Linear,
+    /// LoRA adapter of `gate_proj` ([`crate::lora`]); `None` = not adapted.
+    pub gate_lora: Option<LoraAdapter>,
+    /// LoRA adapter of `up_proj`.
+    pub up_lora: Option<LoraAdapter>,
+    /// LoRA adapter of `down_proj`.
+    pub down_lora: Option<LoraAdapter>,
 }
 
 /// One pre-norm transformer block.
@@ -230,19 +245,13 @@ impl Attention {
     ) -> Tensor<3> {
         let [b, t, _] = x.dims();
         let (h, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = self
-            .q_proj
-            .forward(x.clone())
+        let q = project(&self.q_proj, &self.q_lora, x.clone())
             .reshape([b, t, h, hd])
             .swap_dims(1, 2);
-        let k = self
-            .k_proj
-            .forward(x.clone())
+        let k = project(&self.k_proj, &self.k_lora, x.clone())
             .reshape([b, t, kvh, hd])
             .swap_dims(1, 2);
-        let v = self
-            .v_proj
-            .forward(x)
+        let v = project(&self.v_proj, &self.v_lora, x)
             .reshape([b, t, kvh, hd])
             .swap_dims(1, 2);
         let q = apply_rope(q, &rope.0, &rope.1);
@@ -269,7 +278,7 @@ impl Attention {
         };
         let out = attention(q, k, v, mask, None, options);
         let out = out.swap_dims(1, 2).reshape([b, t, h * hd]);
-        self.o_proj.forward(out)
+        project(&self.o_proj, &self.o_lora, out)
     }
 }
 
@@ -279,8 +288,9 @@ fn x_needs_repeat(q: &Tensor<4>, h: usize, kvh: usize) -> bool {
 
 impl Mlp {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let g = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(g * self.up_proj.forward(x))
+        let g = silu(project(&self.gate_proj, &self.gate_lora, x.clone()));
+        let u = project(&self.up_proj, &self.up_lora, x);
+        project(&self.down_proj, &self.down_lora, g * u)
     }
 }
 
@@ -326,12 +336,19 @@ impl Transformer {
                     n_heads: h,
                     n_kv_heads: kvh,
                     head_dim: hd,
+                    q_lora: None,
+                    k_lora: None,
+                    v_lora: None,
+                    o_lora: None,
                 },
                 post_attention_layernorm: init_rms_norm(d, cfg.rms_norm_eps, device),
                 mlp: Mlp {
                     gate_proj: init_linear(d, cfg.intermediate_size, cfg.mlp_bias, std, device),
                     up_proj: init_linear(d, cfg.intermediate_size, cfg.mlp_bias, std, device),
                     down_proj: init_linear(cfg.intermediate_size, d, cfg.mlp_bias, std, device),
+                    gate_lora: None,
+                    up_lora: None,
+                    down_lora: None,
                 },
             })
             .collect();

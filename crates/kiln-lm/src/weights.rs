@@ -487,12 +487,19 @@ pub fn load_transformer(
                 n_heads: h,
                 n_kv_heads: kvh,
                 head_dim: hd,
+                q_lora: None,
+                k_lora: None,
+                v_lora: None,
+                o_lora: None,
             },
             post_attention_layernorm: norm(n("post_attention_layernorm.weight"))?,
             mlp: Mlp {
                 gate_proj: lin(n("mlp.gate_proj.weight"), d, inter, cfg.mlp_bias)?,
                 up_proj: lin(n("mlp.up_proj.weight"), d, inter, cfg.mlp_bias)?,
                 down_proj: lin(n("mlp.down_proj.weight"), inter, d, cfg.mlp_bias)?,
+                gate_lora: None,
+                up_lora: None,
+                down_lora: None,
             },
         });
     }
