@@ -226,3 +226,54 @@ fn smollm2_recipe_runs_on_the_installed_model() {
     let report = std::fs::read_to_string(run.join("eval/qa-step-1/report.md")).unwrap();
     assert!(report.contains("| agent |"), "{report}");
 }
+
+/// LoRA from a recipe (`lora: {rank, alpha}`): the run trains the adapters only (the log names the
+/// trainable count), the final table loads the checkpoint's adapters, and `kiln eval` of the run
+/// does too; a bad setting is a recipe error.
+#[test]
+fn search_r2_with_lora_adapters_trains_and_evaluates() {
+    let p = scratch_project();
+    let out = kiln_e2e::kiln(p.path())
+        .env("KILN_LOG", "info")
+        .args(args(
+            "recipes/search_r2.yaml",
+            &["--set", "lora={rank: 4, alpha: 8}", "--set", "name=lora"],
+        ))
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("LoRA r=4 alpha=8"), "{log}");
+    let run = run_dir(p.path(), "lora");
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 2);
+    assert!(rows[0].contains_key("reward/total"), "{:?}", rows[0].keys());
+    assert!(run.join("eval/qa-step-2/report.md").is_file());
+    let out = run_kiln(
+        p.path(),
+        &[
+            "eval",
+            run.to_str().unwrap(),
+            "--task",
+            "qa",
+            "--data",
+            "synthetic",
+            "--mode",
+            "agent",
+            "--limit",
+            "2",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    // A bad LoRA setting is a located recipe error.
+    let out = run_kiln(
+        p.path(),
+        &args("recipes/search_r2.yaml", &["--set", "lora={rank: 0}"]),
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("lora.rank must be at least 1"),
+        "{}",
+        text(&out)
+    );
+}

@@ -623,8 +623,17 @@ pub fn hf_state_dict(model: &Transformer) -> BTreeMap<String, (Vec<usize>, Vec<f
 }
 
 /// Save `model` as an HF folder: `config.json` + `model.safetensors` (f32), which
-/// `transformers` opens with `AutoModelForCausalLM.from_pretrained(dir)` (Llama / Qwen2).
+/// `transformers` opens with `AutoModelForCausalLM.from_pretrained(dir)` (Llama / Qwen2). LoRA
+/// adapters are merged into the weights first ([`Transformer::merge_lora`]).
 pub fn save_hf_dir(model: &Transformer, dir: impl AsRef<Path>) -> Result<(), WeightsError> {
+    // An HF folder has no place for adapters: LoRA updates are folded into the weights.
+    let merged;
+    let model = if model.has_lora() {
+        merged = model.merge_lora();
+        &merged
+    } else {
+        model
+    };
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let cfg_path = dir.join("config.json");

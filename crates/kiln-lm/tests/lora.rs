@@ -167,6 +167,12 @@ fn fresh_adapters_give_exactly_the_base_logits_and_merge_and_unload() {
     assert!(d < 1e-5, "merged vs adapted logits: {d}");
     let (_, ul) = loss_of(&m.without_lora(), ids, &device);
     assert_eq!(host(ul), base_logits);
+    // An HF folder written from the adapted model holds the merged weights.
+    let out = tempfile::tempdir().unwrap();
+    kiln_lm::save_hf_dir(&m, out.path()).unwrap();
+    let (_, sl) = loss_of(&load_hf_dir(out.path(), &device).unwrap(), ids, &device);
+    let d = max_diff(&host(sl), &adapted_logits);
+    assert!(d < 1e-5, "saved (merged) vs adapted logits: {d}");
     // Only the listed projections are adapted.
     let only_q = base.with_lora(&LoraConfig {
         target_modules: vec!["q_proj".into()],

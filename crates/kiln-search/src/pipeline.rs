@@ -46,6 +46,11 @@ pub struct SearchRecipe {
     pub judge_model: String,
     /// Wrap the agent prompt in the tokenizer's chat template (instruct models).
     pub chat_template: bool,
+    /// Train LoRA adapters instead of every weight (absent = full fine-tuning): rank, alpha,
+    /// dropout (keep 0 for GRPO: the ratio check compares re-scored and sampled log-probs) and
+    /// target modules. The base weights are frozen (optimiser state for the adapters only), the
+    /// KL reference is the base model, and checkpoints hold base + adapters.
+    pub lora: Option<kiln_lm::LoraConfig>,
     /// Where the warm-started policy lives (created when absent; shared by Search-R1 and Search-R2 runs).
     pub init_dir: PathBuf,
     /// Architecture of the from-scratch policy (its `vocab_size` is set from the trained tokenizer).
@@ -96,6 +101,7 @@ impl Default for SearchRecipe {
     fn default() -> Self {
         SearchRecipe {
             pretrained: String::new(),
+            lora: None,
             judge_model: String::new(),
             chat_template: false,
             init_dir: PathBuf::from("runs/search/warm-start"),
@@ -239,6 +245,27 @@ fn agent_template(r: &SearchRecipe, tok: &Tokenizer) -> PromptTemplate {
     }
 }
 
+/// The policy with the recipe's LoRA adapters attached (seeded), or as it is without `lora:`.
+/// An evaluation attaches them too, so that the checkpoint's adapter tensors have a place to load.
+fn with_lora(r: &SearchRecipe, model: Transformer, device: &Device, seed: u64) -> Transformer {
+    match &r.lora {
+        Some(cfg) => {
+            device.seed(seed ^ 0x10_4a);
+            let m = model.with_lora(cfg);
+            tracing::info!(
+                "LoRA r={} alpha={} on {}: {} trainable parameters of {}",
+                cfg.rank,
+                cfg.alpha,
+                cfg.target_modules.join(", "),
+                m.lora_parameter_count(),
+                m.num_params()
+            );
+            m
+        }
+        None => model,
+    }
+}
+
 /// Loads the policy (pre-trained, or the warm start, creating it when absent) on `device`; the
 /// warm start draws its progress on `driver`'s bar.
 pub fn load_policy(
@@ -358,6 +385,7 @@ pub fn train(
     }
     let ad = device.clone().autodiff();
     let (model, tok) = load_policy(r, &env, &ad, seed, driver)?;
+    let model = with_lora(r, model, &ad, seed);
     tracing::info!(
         "search_r2: policy {} parameters, {} training questions, refiner {}, process reward {}",
         model.num_params(),
@@ -437,6 +465,7 @@ pub fn eval_checkpoint(
     } else {
         kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device).map_err(PipelineError::msg)?
     };
+    let model = with_lora(r, model, device, 0);
     let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
     let model = if mp.is_file() {
         model

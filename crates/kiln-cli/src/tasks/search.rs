@@ -81,6 +81,11 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
             format!("search.{e}"),
         ));
     }
+    if let Some(l) = &r.lora
+        && let Err(e) = l.validate()
+    {
+        return Err(bad("lora", e));
+    }
     if !(r.search.batch.refiner.margin.is_finite()) {
         return Err(bad(
             "search.batch.refiner.margin",

@@ -699,7 +699,11 @@ fn dynamic_sampling_draws_up_to_its_budget_and_logs_the_draw() {
     assert_eq!(r.rewards.len(), 6);
     assert!(!r.metrics.keys().any(|k| k.starts_with("dynamic/")));
     // Every turn's prefill re-reads its transcript: at least the 6 prompts' tokens.
-    assert!(r.metrics["rollout/prefill_tokens"] > 6.0 * 10.0, "{:?}", r.metrics);
+    assert!(
+        r.metrics["rollout/prefill_tokens"] > 6.0 * 10.0,
+        "{:?}",
+        r.metrics
+    );
 
     cfg.dynamic_sampling.enabled = true;
     cfg.dynamic_sampling.max_draw_factor = 2;
