@@ -10,7 +10,7 @@
 # Two lanes of one thread each (RAYON_NUM_THREADS=1); re-running continues unfinished runs from their
 # newest checkpoint (`kiln train --resume`) and skips finished ones.
 # Usage (from a directory holding recipes/ and configs/): bash scripts/bench/search_dynamic.sh [OUT]
-# then: python3 scripts/bench/search_dynamic_table.py OUT
+# then: python3 scripts/bench/search_dynamic_table.py OUT (STEPS=60 is what the README reports).
 set -euo pipefail
 KILN=${KILN:-target/release/kiln}
 OUT=${1:-runs/dynamic}
@@ -48,4 +48,10 @@ RAYON_NUM_THREADS=${WARM_THREADS:-2} run warm-start recipes/search_r1.yaml --set
 ( run r1 recipes/search_r1.yaml; run r2-dynamic recipes/search_r2.yaml "${dyn[@]}" ) &
 ( run r1-dynamic recipes/search_r1.yaml "${dyn[@]}" ) &
 wait
+# Agent EM of every run on the whole test split (500 questions; the final table has 200).
+for d in "$OUT"/*-2*/; do
+  ls -d "$d"eval/*-synthetic-test >/dev/null 2>&1 && continue
+  RAYON_NUM_THREADS=2 "$KILN" eval "$d" --task qa --data synthetic --mode agent --limit 500 \
+    > "$OUT/eval500-$(basename "$d").log" 2>&1
+done
 python3 "$(dirname "$0")/search_dynamic_table.py" "$OUT"

@@ -4,6 +4,8 @@ direct and RAG beside it) with 95% bootstrap CIs over questions, the paired boot
 agent EM to the warm start (same questions), the train reward at the start and end of training (with
 dynamic sampling: the mean over every drawn trajectory, `dynamic/drawn_reward_mean`, not the kept
 groups' mean), updates, questions drawn, share of uniform groups and seconds per step.
+Where a run also has a `kiln eval ... --data synthetic --mode agent --limit 500` report (all 500 test
+questions), a second table pairs those with the warm start's.
 Usage: search_dynamic_table.py OUT_DIR [--window 20]"""
 import glob
 import json
@@ -54,9 +56,10 @@ def paired(a, b, rng):
     return mean(d), boot(d, rng), len(keys)
 
 
-def final_eval(run_dir):
-    """{mode: {question id: em}} and {mode: [f1]} of the newest qa-step-N folder."""
-    evs = sorted(glob.glob(os.path.join(run_dir, "eval", "qa-step-*")),
+def final_eval(run_dir, pattern="qa-step-*"):
+    """{mode: {question id: em}} and {mode: [f1]} of the newest eval folder matching `pattern`
+    (default: the final table, qa-step-N)."""
+    evs = sorted(glob.glob(os.path.join(run_dir, "eval", pattern)),
                  key=lambda p: int(p.rsplit("-", 1)[1]) if p.rsplit("-", 1)[1].isdigit() else -1)
     if not evs:
         return None, None
@@ -113,6 +116,30 @@ def main():
         rag = 100 * mean(list(em.get("rag", {}).values()))
         print(f"| {name} | {cell} | {100 * mean(f1.get('agent', [])):.1f} | {direct:.1f} | {rag:.1f} "
               f"| {diff} | {train} | {upd} | {drawn} | {uni:.2f} | {sps:.1f} |")
+
+    # `kiln eval RUN --task qa --data synthetic --mode agent --limit 500` of each run, where made.
+    base500 = (final_eval(runs["warm-start"], "*-synthetic-test")[0] or {}).get("agent", {}) \
+        if "warm-start" in runs else {}
+    if base500:
+        print(f"\nAgent EM on the whole test split (kiln eval --limit 500), paired with the warm start:\n")
+        print("| run | agent EM (95% CI) | - warm start (paired, 95% CI) | questions won / lost |")
+        print("|---|---|---|---|")
+        for name, d in runs.items():
+            em, _ = final_eval(d, "*-synthetic-test")
+            ag = (em or {}).get("agent", {})
+            if not ag:
+                continue
+            lo, hi = boot(list(ag.values()), rng)
+            cell = f"{100 * mean(list(ag.values())):.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+            keys = sorted(set(ag) & set(base500))
+            won = sum(1 for k in keys if ag[k] > base500[k])
+            lost = sum(1 for k in keys if ag[k] < base500[k])
+            if name == "warm-start":
+                print(f"| {name} | {cell} | | |")
+                continue
+            dm, (dlo, dhi), n = paired(base500, ag, rng)
+            print(f"| {name} | {cell} | {100 * dm:+.1f} [{100 * dlo:+.1f}, {100 * dhi:+.1f}] (n={n}) "
+                  f"| {won} / {lost} |")
 
 
 if __name__ == "__main__":
