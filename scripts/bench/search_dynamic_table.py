@@ -14,31 +14,12 @@ import os
 import random
 import sys
 
-RESAMPLES = 2000
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from search_diagnostic_table import RESAMPLES, ci, mean, rows  # noqa: E402  (shared helpers)
 
 
 def jsonl(path):
-    out = []
-    if not os.path.isfile(path):
-        return out
-    for line in open(path):
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a torn last line of a killed run
-    return out
-
-
-def mean(xs):
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def ci(samples):
-    s = sorted(samples)
-    return s[int(0.025 * len(s))], s[int(0.975 * len(s)) - 1]
+    return rows(path) if os.path.isfile(path) else []
 
 
 def boot(xs, rng):

@@ -31,15 +31,8 @@ struct Expected {
     logits2: Vec<f32>,
 }
 
-const MODULES: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
+/// Every projection LoRA can adapt (the fixture adapts all of them).
+const MODULES: [&str; 7] = kiln_lm::lora::TARGETS;
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama")
