@@ -397,11 +397,7 @@ pub fn score_tokens_with_entropy(
     temperature: f32,
 ) -> (Tensor<2>, Tensor<2>) {
     let logp = next_token_log_softmax(model, tokens.clone(), attention_mask, temperature);
-    let [b, t1, _] = logp.dims();
-    let entropy = {
-        let l = logp.clone().detach();
-        (l.clone().exp() * l).sum_dim(2).reshape([b, t1]).neg()
-    };
+    let entropy = detached_entropy(&logp);
     (gather_next(logp, tokens), entropy)
 }
 
@@ -431,17 +427,8 @@ pub fn score_tokens_at(
         .sub_scalar(1)
         .reshape([b, k, 1])
         .expand([b, k, h]);
-    let logits = model.logits(hidden.gather(1, src)); // [b, k, v]
-    let logits = if temperature != 1.0 {
-        logits.div_scalar(temperature)
-    } else {
-        logits
-    };
-    let logp = log_softmax(logits, 2);
-    let entropy = {
-        let l = logp.clone().detach();
-        (l.clone().exp() * l).sum_dim(2).reshape([b, k]).neg()
-    };
+    let logp = tempered_log_softmax(model.logits(hidden.gather(1, src)), temperature); // [b, k, v]
+    let entropy = detached_entropy(&logp);
     let targets = tokens.gather(1, at).reshape([b, k, 1]);
     (logp.gather(2, targets).reshape([b, k]), entropy)
 }
@@ -457,13 +444,25 @@ fn next_token_log_softmax(
     let [b, t] = tokens.dims();
     let logits = model.forward_masked(tokens, attention_mask);
     let v = logits.dims()[2];
-    let logits = logits.slice([0..b, 0..t - 1, 0..v]);
+    tempered_log_softmax(logits.slice([0..b, 0..t - 1, 0..v]), temperature)
+}
+
+/// `log_softmax(logits / temperature)` over the vocabulary (last) axis of `[B, T, V]`.
+fn tempered_log_softmax(logits: Tensor<3>, temperature: f32) -> Tensor<3> {
     let logits = if temperature != 1.0 {
         logits.div_scalar(temperature)
     } else {
         logits
     };
     log_softmax(logits, 2)
+}
+
+/// Entropy `[B, T]` of each distribution of `logp` `[B, T, V]`, detached (for logging: its
+/// gradient would keep a second `[B, T, V]` tensor alive for the backward pass).
+fn detached_entropy(logp: &Tensor<3>) -> Tensor<2> {
+    let [b, t, _] = logp.dims();
+    let l = logp.clone().detach();
+    (l.clone().exp() * l).sum_dim(2).reshape([b, t]).neg()
 }
 
 /// `logp[:, p, tokens[:, p + 1]]`, shape `[B, T-1]`.
