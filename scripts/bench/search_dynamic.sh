@@ -7,6 +7,9 @@
 #   r1              Search-R1 as in the recipe (uniform groups skipped)
 #   r1-dynamic      + search.dynamic_sampling (up to 3 x 4 questions drawn per step)
 #   r2-dynamic      Search-R2 (refiner, process reward, joint) + dynamic sampling
+# SET=ablation (one lane) runs instead, same warm start and budget:
+#   r2              Search-R2 without dynamic sampling (is the draw what makes r2-dynamic hold?)
+#   r2-lr1e-4, r2-dynamic-lr1e-4, r1-lr1e-4   the same at a third of the step size
 # Two lanes of one thread each (RAYON_NUM_THREADS=1); re-running continues unfinished runs from their
 # newest checkpoint (`kiln train --resume`) and skips finished ones.
 # Usage (from a directory holding recipes/ and configs/): bash scripts/bench/search_dynamic.sh [OUT]
@@ -45,13 +48,20 @@ run() { # name, recipe, extra --set args...
 dyn=(--set search.dynamic_sampling.enabled=true --set search.dynamic_sampling.max_draw_factor=3)
 # The warm start first, alone (it creates the shared warm-start folder when missing).
 RAYON_NUM_THREADS=${WARM_THREADS:-2} run warm-start recipes/search_r1.yaml --set optim.lr=1e-12 --set trainer.steps=1
-( run r1 recipes/search_r1.yaml; run r2-dynamic recipes/search_r2.yaml "${dyn[@]}" ) &
-( run r1-dynamic recipes/search_r1.yaml "${dyn[@]}" ) &
-wait
+if [ "${SET:-dynamic}" = ablation ]; then
+  run r2 recipes/search_r2.yaml
+  run r2-lr1e-4 recipes/search_r2.yaml --set optim.lr=1e-4
+  run r1-lr1e-4 recipes/search_r1.yaml --set optim.lr=1e-4
+  run r2-dynamic-lr1e-4 recipes/search_r2.yaml "${dyn[@]}" --set optim.lr=1e-4
+else
+  ( run r1 recipes/search_r1.yaml; run r2-dynamic recipes/search_r2.yaml "${dyn[@]}" ) &
+  ( run r1-dynamic recipes/search_r1.yaml "${dyn[@]}" ) &
+  wait
+fi
 # Agent EM of every run on the whole test split (500 questions; the final table has 200).
 for d in "$OUT"/*-2*/; do
   ls -d "$d"eval/*-synthetic-test >/dev/null 2>&1 && continue
-  RAYON_NUM_THREADS=2 "$KILN" eval "$d" --task qa --data synthetic --mode agent --limit 500 \
+  RAYON_NUM_THREADS=${EVAL_THREADS:-2} "$KILN" eval "$d" --task qa --data synthetic --mode agent --limit 500 \
     > "$OUT/eval500-$(basename "$d").log" 2>&1
 done
 python3 "$(dirname "$0")/search_dynamic_table.py" "$OUT"

@@ -21,6 +21,21 @@ fn run_dir(project: &Path, prefix: &str) -> PathBuf {
     v.pop().unwrap()
 }
 
+/// The first file called `name` below `dir`.
+fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(f) = find_file(&p, name) {
+                return Some(f);
+            }
+        } else if p.file_name().is_some_and(|n| n == name) {
+            return Some(p);
+        }
+    }
+    None
+}
+
 /// A small world and model so that the whole chain runs in well under a minute.
 const SMALL: &[&str] = &[
     "--set",
@@ -129,6 +144,47 @@ fn search_r2_trains_evaluates_and_reports() {
     assert!(out.status.success(), "{}", text(&out));
     assert!(
         text(&out).contains("| synthetic-test | agent | 3 |"),
+        "{}",
+        text(&out)
+    );
+    // The same evaluation over a hybrid (BM25 + dense) index of the world's corpus (`kiln index --dense`).
+    let corpus = find_file(&p.path().join("datasets/cache/synthetic"), "corpus.jsonl")
+        .expect("the world's corpus.jsonl");
+    let idx = p.path().join("world-hybrid");
+    let out = run_kiln(
+        p.path(),
+        &[
+            "index",
+            "--corpus",
+            corpus.to_str().unwrap(),
+            "--out",
+            idx.to_str().unwrap(),
+            "--dense",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(idx.join("dense/dense.json").is_file());
+    let hybrid = format!("hybrid:{}", idx.display());
+    let out = run_kiln(
+        p.path(),
+        &[
+            "eval",
+            run.to_str().unwrap(),
+            "--task",
+            "qa",
+            "--data",
+            "synthetic",
+            "--mode",
+            "rag",
+            "--limit",
+            "3",
+            "--retriever",
+            &hybrid,
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("| synthetic-test | rag | 3 |"),
         "{}",
         text(&out)
     );

@@ -222,11 +222,30 @@ fn recipe_needs(resolved: &serde_json::Value) -> Vec<String> {
     }
     let mut retrievers = Vec::new();
     values_of(resolved, "retriever", &mut retrievers);
-    for r in retrievers {
-        let remote = r.starts_with("http://") || r.starts_with("https://");
-        if !(r.is_empty() || r == "synthetic" || remote || Path::new(r).is_dir()) {
+    let mut locals: Vec<kiln_retrieval::LocalRetrieverConfig> = retrievers
+        .into_iter()
+        .filter(|r| !(r.is_empty() || *r == "synthetic"))
+        .filter_map(kiln_retrieval::LocalRetrieverConfig::parse)
+        .collect();
+    if let Some(m) = resolved.get("retriever").filter(|v| v.is_object())
+        && let Ok(c) = serde_json::from_value(m.clone())
+    {
+        locals.push(c);
+    }
+    for c in locals {
+        let dense = c.kind != kiln_retrieval::RetrieverKind::Bm25;
+        if !c.index.is_dir() {
             needs.push(format!(
-                "`retriever: {r}`: no such index folder (build one with `kiln index`)"
+                "`retriever: {}:{}`: no such index folder (build one with `kiln index{}`)",
+                c.kind,
+                c.index.display(),
+                if dense { " --dense" } else { "" }
+            ));
+        } else if dense && kiln_retrieval::dense::read_meta(&c.index).is_err() {
+            needs.push(format!(
+                "`retriever: {}:{}`: the index has no dense part (rebuild it with `kiln index ... --dense`)",
+                c.kind,
+                c.index.display()
             ));
         }
     }
@@ -443,6 +462,30 @@ mod tests {
     fn a_cpu_recipe_without_models_needs_nothing() {
         let r = serde_json::json!({"backend": "cpu", "pretrained": "", "retriever": "synthetic"});
         assert!(recipe_needs(&r).is_empty());
+    }
+
+    #[test]
+    fn dense_and_hybrid_retrievers_need_a_dense_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        for r in [
+            serde_json::json!({"retriever": "hybrid:/nonexistent/idx"}),
+            serde_json::json!({"retriever": {"kind": "dense", "index": "/nonexistent/idx"}}),
+        ] {
+            let needs = recipe_needs(&r);
+            assert!(
+                needs.len() == 1 && needs[0].contains("--dense"),
+                "{needs:?}"
+            );
+        }
+        // An existing folder without dense/dense.json: named, with the rebuild command.
+        let needs = recipe_needs(&serde_json::json!({"retriever": format!("dense:{d}")}));
+        assert!(
+            needs.len() == 1 && needs[0].contains("no dense part"),
+            "{needs:?}"
+        );
+        // BM25 over an existing folder needs nothing more.
+        assert!(recipe_needs(&serde_json::json!({"retriever": d})).is_empty());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! masked-diffusion denoiser compatible with LLaDA), weight loading, tokenizers and generation.
 //! Knows nothing of RL.
 
+pub mod bert;
 pub mod cli;
 pub mod config;
 pub mod diffusion;
@@ -13,6 +14,7 @@ pub mod tokenizer;
 pub mod weights;
 pub mod zoo;
 
+pub use bert::{EncoderError, Pooling, SentenceEncoder, TextKind};
 pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
 pub use generate::{
     FinishReason, Generation, SamplingConfig, generate, score_tokens, score_tokens_at,

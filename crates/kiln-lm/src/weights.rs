@@ -147,6 +147,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightsError + '_ {
 pub struct SafetensorsSource {
     files: Vec<(PathBuf, memmap2::Mmap)>,
     index: HashMap<String, usize>,
+    /// Every tensor's shape, from the headers.
+    shapes: HashMap<String, Vec<usize>>,
     /// Elements of the tensors of a dtype kiln reads (F32, F16, BF16, F64), over all files.
     elements: u64,
 }
@@ -199,6 +201,7 @@ impl SafetensorsSource {
     pub fn open_files(paths: &[PathBuf]) -> Result<Self, WeightsError> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
+        let mut shapes = HashMap::new();
         let mut elements = 0u64;
         for (i, p) in paths.iter().enumerate() {
             let f = std::fs::File::open(p).map_err(io_err(p))?;
@@ -218,6 +221,7 @@ impl SafetensorsSource {
                     let n = view.shape().iter().map(|&d| d as u64).product::<u64>();
                     elements = elements.saturating_add(n);
                 }
+                shapes.insert(name.clone(), view.shape().to_vec());
                 index.insert(name, i);
             }
             files.push((p.clone(), mmap));
@@ -225,6 +229,7 @@ impl SafetensorsSource {
         Ok(Self {
             files,
             index,
+            shapes,
             elements,
         })
     }
@@ -234,6 +239,16 @@ impl SafetensorsSource {
         let mut v: Vec<String> = self.index.keys().cloned().collect();
         v.sort();
         v
+    }
+
+    /// The shape of tensor `name` as its file's header declares it (nothing is read).
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.shapes.get(name).map(Vec::as_slice)
+    }
+
+    /// Each file's mapped bytes, in the order they were opened (sorted shard names).
+    pub fn file_bytes(&self) -> impl Iterator<Item = &[u8]> {
+        self.files.iter().map(|(_, m)| &m[..])
     }
 
     fn file_list(&self) -> String {

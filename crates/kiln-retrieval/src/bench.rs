@@ -535,3 +535,228 @@ fn print_side_by_side(k: &BenchReport, peer_path: &Path) -> Result<(), Error> {
     );
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dense and hybrid (`kiln bench-retriever --dense`)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// What `kiln bench-retriever --dense` measures, over an index directory whose BM25 part exists.
+#[derive(Debug, Clone)]
+pub struct DenseBenchConfig {
+    /// Corpus files (embedded when the index has no dense part for `encoder`).
+    pub corpus: Vec<PathBuf>,
+    /// QA file with `question` and `supporting_passage_ids`.
+    pub queries: PathBuf,
+    /// Index directory (BM25 built; the dense part is built here when missing).
+    pub index_dir: PathBuf,
+    /// Sentence encoder (name or folder).
+    pub encoder: String,
+    /// Passages per encoder batch.
+    pub encode_batch: usize,
+    /// Re-embed even when a dense part with this encoder exists.
+    pub rebuild: bool,
+    /// HNSW parameters of the approximate row.
+    pub hnsw: crate::dense::HnswParams,
+    /// Fusion of the hybrid row.
+    pub fusion: crate::dense::FusionConfig,
+    /// Concurrent HTTP clients.
+    pub clients: usize,
+    /// Requests per client.
+    pub requests_per_client: usize,
+}
+
+/// One retriever's row of the dense benchmark.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DenseRow {
+    /// `bm25`, `dense (exact)`, `dense (HNSW)`, `hybrid`.
+    pub name: String,
+    /// recall@3 and recall@10.
+    pub recall: Vec<RecallAt>,
+    /// Queries/s of one `search_batch` over all questions (query encoding included).
+    pub qps_batch: f64,
+    /// Server latency under concurrent clients (one query per request, query encoding included).
+    pub server: LatencyReport,
+}
+
+/// Everything `kiln bench-retriever --dense` measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DenseBenchReport {
+    /// The dense part's metadata (rows, dim, encoder, embedding seconds and passages/s when built here).
+    pub meta: crate::dense::DenseMeta,
+    /// Whether the embeddings were computed by this run (else `meta` holds the figures of the earlier build).
+    pub embedded_here: bool,
+    /// HNSW build seconds.
+    pub hnsw_build_seconds: f64,
+    /// Share of the exact top-10 that HNSW returns (same query vectors).
+    pub hnsw_recall_at_10_vs_exact: f64,
+    /// One row per retriever.
+    pub rows: Vec<DenseRow>,
+}
+
+/// Builds the dense part if needed, then measures BM25, dense (exact), dense (HNSW) and hybrid side by side.
+pub fn run_dense(cfg: &DenseBenchConfig) -> Result<DenseBenchReport, Error> {
+    use crate::dense::{
+        Ann, DenseBuildOptions, DenseRetriever, HybridRetriever, build_dense, read_meta,
+    };
+    let qa = load_qa(&cfg.queries)?;
+    let encoder = crate::encoder::load_encoder(&cfg.encoder)?;
+    let have = read_meta(&cfg.index_dir)
+        .ok()
+        .filter(|m| m.fingerprint == encoder.fingerprint());
+    let embedded_here = cfg.rebuild || have.is_none();
+    if embedded_here {
+        let m = build_dense(
+            &cfg.corpus,
+            &cfg.index_dir,
+            &*encoder,
+            &cfg.encoder,
+            &DenseBuildOptions {
+                batch_size: cfg.encode_batch,
+                ..Default::default()
+            },
+        )?;
+        println!(
+            "dense build: {} passages embedded with {} ({} dims) in {:.1} s: {:.1} passages/s on {} threads",
+            m.rows,
+            cfg.encoder,
+            m.dim,
+            m.seconds,
+            m.passages_per_sec,
+            rayon::current_num_threads()
+        );
+    }
+    let meta = read_meta(&cfg.index_dir)?;
+    let exact = DenseRetriever::open(&cfg.index_dir, encoder.clone(), Ann::Exact)?;
+    let hnsw = DenseRetriever::open(&cfg.index_dir, encoder.clone(), Ann::Hnsw(cfg.hnsw))?;
+    let hnsw_build_seconds = hnsw.hnsw().map(|h| h.build_seconds()).unwrap_or(0.0);
+    println!(
+        "HNSW (m {}, ef_construction {}, ef_search {}) built in {hnsw_build_seconds:.1} s",
+        cfg.hnsw.m, cfg.hnsw.ef_construction, cfg.hnsw.ef_search
+    );
+    let queries: Vec<String> = qa.iter().map(|q| q.question.clone()).collect();
+    let qv = exact.encode_queries(&queries)?;
+    let a = exact.search_vectors(&qv, 10);
+    let b = hnsw.search_vectors(&qv, 10);
+    let (found, total) = a.iter().zip(&b).fold((0usize, 0usize), |(f, t), (x, y)| {
+        (
+            f + x.iter().filter(|e| y.iter().any(|g| g.0 == e.0)).count(),
+            t + x.len(),
+        )
+    });
+    let hnsw_recall = found as f64 / total.max(1) as f64;
+    let hybrid = HybridRetriever::new(
+        IndexRetriever::open(&cfg.index_dir)?,
+        DenseRetriever::open(&cfg.index_dir, encoder.clone(), Ann::Exact)?,
+        cfg.fusion,
+    )?;
+    let retrievers: Vec<(&str, Arc<dyn Retriever>)> = vec![
+        ("bm25", Arc::new(IndexRetriever::open(&cfg.index_dir)?)),
+        ("dense (exact)", Arc::new(exact)),
+        ("dense (HNSW)", Arc::new(hnsw)),
+        ("hybrid (RRF)", Arc::new(hybrid)),
+    ];
+    let mut rows = Vec::new();
+    for (name, r) in retrievers {
+        let recall = recall_at(&*r, &qa, &[3, 10])?;
+        let t = Instant::now();
+        std::hint::black_box(r.search_batch(&queries, 10)?);
+        let qps_batch = queries.len() as f64 / t.elapsed().as_secs_f64().max(1e-9);
+        let server = spawn(
+            r.clone(),
+            ServerConfig::default(),
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            0,
+        )?;
+        let lat = load_test(
+            &server.retrieve_url(),
+            None,
+            &queries,
+            cfg.clients,
+            cfg.requests_per_client,
+            0,
+        );
+        server.shutdown()?;
+        rows.push(DenseRow {
+            name: name.to_string(),
+            recall,
+            qps_batch,
+            server: lat,
+        });
+    }
+    let report = DenseBenchReport {
+        meta,
+        embedded_here,
+        hnsw_build_seconds,
+        hnsw_recall_at_10_vs_exact: hnsw_recall,
+        rows,
+    };
+    print_dense(&report, qa.len(), cfg);
+    Ok(report)
+}
+
+fn print_dense(r: &DenseBenchReport, questions: usize, cfg: &DenseBenchConfig) {
+    let get = |row: &DenseRow, k: usize| {
+        row.recall
+            .iter()
+            .find(|x| x.k == k)
+            .map(|x| x.recall)
+            .unwrap_or(f64::NAN)
+    };
+    println!();
+    println!(
+        "{} passages, {questions} questions, encoder {} ({} dims); server: {} clients x {} requests, k = 3",
+        r.meta.rows, r.meta.encoder, r.meta.dim, cfg.clients, cfg.requests_per_client
+    );
+    println!(
+        "{:<16} {:>9} {:>10} {:>12} {:>9} {:>9} {:>9}",
+        "retriever", "recall@3", "recall@10", "batch q/s", "p50 ms", "p99 ms", "req/s"
+    );
+    for row in &r.rows {
+        println!(
+            "{:<16} {:>9.4} {:>10.4} {:>12.0} {:>9.2} {:>9.2} {:>9.0}",
+            row.name,
+            get(row, 3),
+            get(row, 10),
+            row.qps_batch,
+            row.server.p50_ms,
+            row.server.p99_ms,
+            row.server.rps
+        );
+    }
+    let bm25 = r.rows.iter().find(|x| x.name == "bm25").map(|x| get(x, 10));
+    let hybrid = r
+        .rows
+        .iter()
+        .find(|x| x.name.starts_with("hybrid"))
+        .map(|x| get(x, 10));
+    let exact = r
+        .rows
+        .iter()
+        .find(|x| x.name == "dense (exact)")
+        .map(|x| get(x, 10));
+    let ann = r
+        .rows
+        .iter()
+        .find(|x| x.name == "dense (HNSW)")
+        .map(|x| get(x, 10));
+    println!(
+        "HNSW: {:.1} s to build, recall@10 vs exact (same query vectors) {:.4}",
+        r.hnsw_build_seconds, r.hnsw_recall_at_10_vs_exact
+    );
+    if let (Some(b), Some(h), Some(e), Some(a)) = (bm25, hybrid, exact, ann) {
+        let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+        println!(
+            "targets: hybrid recall@10 >= BM25 + 3 pts: {:+.1} pts, {}; HNSW recall@10 within 1 pt of exact: {:+.1} pts, {}",
+            (h - b) * 100.0,
+            verdict(h - b >= 0.03),
+            (a - e) * 100.0,
+            verdict(a - e >= -0.01)
+        );
+    }
+    if r.embedded_here {
+        println!(
+            "embedding: {:.1} passages/s ({:.1} s for {} passages)",
+            r.meta.passages_per_sec, r.meta.seconds, r.meta.rows
+        );
+    }
+}

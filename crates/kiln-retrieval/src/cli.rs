@@ -3,12 +3,14 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::bench::BenchConfig;
 use crate::corpus::{BadLinePolicy, DEFAULT_MAX_LINE_BYTES, MAX_LINE_BYTES_ENV};
-use crate::index::{BuildOptions, IndexRetriever, build_index};
+use crate::dense::{Ann, DenseBuildOptions, Dtype, FusionConfig, HnswParams, build_dense};
+use crate::encoder::{DEFAULT_ENCODER, load_encoder};
+use crate::index::{BuildOptions, build_index};
+use crate::open::{LocalRetrieverConfig, RetrieverKind, open_local};
 use crate::server::{ServerConfig, serve, shutdown_signal};
 use crate::{Error, Retriever};
 
@@ -23,7 +25,8 @@ pub enum CliError {
     Usage(String),
 }
 
-/// `kiln index --corpus PATH --out INDEX_DIR`: build a BM25 index from JSONL corpora.
+/// `kiln index --corpus PATH --out INDEX_DIR [--dense]`: build a BM25 index from JSONL corpora, and with `--dense`
+/// the passages' sentence-encoder embeddings beside it (for `dense` and `hybrid` retrieval).
 #[derive(clap::Args, Debug)]
 pub struct IndexArgs {
     /// Corpus file(s): JSONL (optionally .gz) in Search-R1 `{"id","contents"}` or `{"id","title","text"}` layout.
@@ -48,6 +51,83 @@ pub struct IndexArgs {
     /// Longest accepted corpus line in bytes; a longer line stops with a `file:line` error.
     #[arg(long, env = MAX_LINE_BYTES_ENV, default_value_t = DEFAULT_MAX_LINE_BYTES)]
     pub max_line_bytes: usize,
+    /// Also embed every passage with a sentence encoder (`--encoder`) for dense and hybrid retrieval
+    /// (written to INDEX_DIR/dense/; the BM25 index is built as well).
+    #[arg(long)]
+    pub dense: bool,
+    /// Same as `--dense`: hybrid retrieval needs both the BM25 index and the embeddings.
+    #[arg(long)]
+    pub hybrid: bool,
+    /// Sentence encoder for `--dense`: a name recorded in .kiln/models.json or a sentence-transformers folder.
+    #[arg(long, default_value = DEFAULT_ENCODER)]
+    pub encoder: String,
+    /// Store the embeddings as f16 (half the file; searched as f32).
+    #[arg(long)]
+    pub f16: bool,
+    /// Passages per encoder batch.
+    #[arg(long, default_value_t = 32)]
+    pub encode_batch: usize,
+}
+
+/// How a local index is searched (`kiln serve-retriever`, `kiln bench-retriever`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SearchArgs {
+    /// Ranking: bm25, dense (needs `kiln index --dense`) or hybrid (reciprocal rank fusion of both).
+    #[arg(long, value_enum, default_value_t = RetrieverKind::Bm25)]
+    pub kind: RetrieverKind,
+    /// Query encoder for dense / hybrid (default: the one the index was built with; must be the same model).
+    #[arg(long)]
+    pub encoder: Option<String>,
+    /// Dense search through an HNSW graph (built when the index is opened) instead of exactly.
+    #[arg(long)]
+    pub hnsw: bool,
+    /// HNSW links per node.
+    #[arg(long, default_value_t = 16)]
+    pub hnsw_m: usize,
+    /// HNSW candidate list while building.
+    #[arg(long, default_value_t = 200)]
+    pub ef_construction: usize,
+    /// HNSW candidate list while searching.
+    #[arg(long, default_value_t = 128)]
+    pub ef_search: usize,
+    /// Hybrid: weight of the BM25 ranking.
+    #[arg(long, default_value_t = 1.0)]
+    pub bm25_weight: f32,
+    /// Hybrid: weight of the dense ranking.
+    #[arg(long, default_value_t = 1.0)]
+    pub dense_weight: f32,
+    /// Hybrid: the reciprocal-rank-fusion constant.
+    #[arg(long, default_value_t = 60.0)]
+    pub rrf_k: f32,
+    /// Hybrid: passages taken from each ranking before fusing.
+    #[arg(long, default_value_t = 50)]
+    pub fusion_depth: usize,
+}
+
+impl SearchArgs {
+    /// The retriever these flags describe over `index`.
+    pub fn config(&self, index: &std::path::Path) -> LocalRetrieverConfig {
+        LocalRetrieverConfig {
+            kind: self.kind,
+            index: index.to_path_buf(),
+            encoder: self.encoder.clone(),
+            ann: if self.hnsw {
+                Ann::Hnsw(HnswParams {
+                    m: self.hnsw_m,
+                    ef_construction: self.ef_construction,
+                    ef_search: self.ef_search,
+                })
+            } else {
+                Ann::Exact
+            },
+            fusion: FusionConfig {
+                bm25_weight: self.bm25_weight,
+                dense_weight: self.dense_weight,
+                rrf_k: self.rrf_k,
+                depth: self.fusion_depth,
+            },
+        }
+    }
 }
 
 /// Parses a duration in seconds (`10`, `0.5`).
@@ -70,6 +150,9 @@ pub struct ServeArgs {
     /// Index directory built by `kiln index`.
     #[arg(long)]
     pub index: PathBuf,
+    /// Ranking and its settings.
+    #[command(flatten)]
+    pub search: SearchArgs,
     /// Address to bind (loopback by default).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -187,6 +270,23 @@ pub struct BenchArgs {
     /// when the benchmark starts its own server.
     #[arg(long, default_value_t = 0)]
     pub idle_connections: usize,
+    /// Also measure dense (exact and HNSW) and hybrid retrieval on the same index and questions: the passages are
+    /// embedded with `--encoder` (reused when `--index-dir` already holds them), then recall@3/@10, batch QPS and
+    /// server latency of BM25, dense and hybrid side by side.
+    #[arg(long)]
+    pub dense: bool,
+    /// Re-embed the passages even when `--index-dir` holds embeddings of this encoder.
+    #[arg(long)]
+    pub rebuild_dense: bool,
+    /// Passages per encoder batch (`--dense`).
+    #[arg(long, default_value_t = 32)]
+    pub encode_batch: usize,
+    /// Settings of the dense / hybrid rows (`--dense`); `--kind` is ignored here.
+    #[command(flatten)]
+    pub search: SearchArgs,
+    /// Write the dense figures as JSON here (`--dense`).
+    #[arg(long)]
+    pub dense_json: Option<PathBuf>,
 }
 
 /// Run `kiln index`.
@@ -203,6 +303,13 @@ pub fn run_index(args: IndexArgs) -> Result<(), CliError> {
         merge: !args.no_merge,
         max_line_bytes: args.max_line_bytes,
     };
+    let dense = args.dense || args.hybrid;
+    // Load the encoder first: a wrong name fails before minutes of indexing.
+    let encoder = if dense {
+        Some(load_encoder(&args.encoder)?)
+    } else {
+        None
+    };
     let s = build_index(&args.corpus, &args.out, &opts)?;
     println!(
         "indexed {} passages into {} in {:.2} s ({:.0} docs/s, {} threads); skipped {} bad lines, {} duplicate ids",
@@ -214,6 +321,29 @@ pub fn run_index(args: IndexArgs) -> Result<(), CliError> {
         s.skipped_lines,
         s.duplicate_ids
     );
+    if let Some(encoder) = encoder {
+        let d = build_dense(
+            &args.corpus,
+            &args.out,
+            &*encoder,
+            &args.encoder,
+            &DenseBuildOptions {
+                dtype: if args.f16 { Dtype::F16 } else { Dtype::F32 },
+                batch_size: args.encode_batch,
+                bad_lines: opts.bad_lines,
+                progress: true,
+            },
+        )?;
+        println!(
+            "embedded {} passages with {} ({} dims, {}) in {:.1} s ({:.1} passages/s); search with --kind dense|hybrid",
+            d.rows,
+            args.encoder,
+            d.dim,
+            if args.f16 { "f16" } else { "f32" },
+            d.seconds,
+            d.passages_per_sec
+        );
+    }
     Ok(())
 }
 
@@ -234,8 +364,9 @@ pub fn run_serve(args: ServeArgs) -> Result<(), CliError> {
     }
     let cfg = args.server_config();
     cfg.validate()?;
-    let retriever = IndexRetriever::open(&args.index)?;
-    let num_docs = retriever.num_docs();
+    let retriever = open_local(&args.search.config(&args.index))?;
+    let num_docs = retriever.passage_count().unwrap_or(0);
+    let kind = args.search.kind;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -247,10 +378,10 @@ pub fn run_serve(args: ServeArgs) -> Result<(), CliError> {
             .map_err(|e| Error::Server(format!("cannot bind {addr}: {e}")))?;
         let bound = listener.local_addr().map_err(|e| Error::Server(e.to_string()))?;
         println!(
-            "serving {num_docs} passages on http://{bound}/retrieve (GET /health){}; Ctrl-C to stop",
+            "serving {num_docs} passages ({kind}) on http://{bound}/retrieve (GET /health){}; Ctrl-C to stop",
             if cfg.token.is_some() { ", bearer token required" } else { "" }
         );
-        serve(listener, Arc::new(retriever) as Arc<dyn Retriever>, cfg, shutdown_signal()).await
+        serve(listener, retriever, cfg, shutdown_signal()).await
     })?;
     println!("retriever stopped");
     Ok(())
@@ -290,11 +421,44 @@ pub fn run_bench(args: BenchArgs) -> Result<(), CliError> {
         }
         return Ok(());
     }
-    let result = crate::bench::run(&cfg);
+    let result = crate::bench::run(&cfg).and_then(|r| {
+        if !args.dense {
+            return Ok((r, None));
+        }
+        let sc = args.search.config(&index_dir);
+        let d = crate::bench::run_dense(&crate::bench::DenseBenchConfig {
+            corpus: cfg.corpus.clone(),
+            queries: cfg.queries.clone(),
+            index_dir: index_dir.clone(),
+            encoder: args
+                .search
+                .encoder
+                .clone()
+                .unwrap_or_else(|| DEFAULT_ENCODER.to_string()),
+            encode_batch: args.encode_batch,
+            rebuild: args.rebuild_dense,
+            hnsw: match sc.ann {
+                Ann::Hnsw(p) => p,
+                Ann::Exact => HnswParams {
+                    m: args.search.hnsw_m,
+                    ef_construction: args.search.ef_construction,
+                    ef_search: args.search.ef_search,
+                },
+            },
+            fusion: sc.fusion,
+            clients: cfg.clients,
+            requests_per_client: cfg.requests_per_client,
+        })?;
+        Ok((r, Some(d)))
+    });
     if let (None, Some(parent)) = (&args.index_dir, index_dir.parent()) {
         let _ = std::fs::remove_dir_all(parent);
     }
-    let report = result?;
+    let (report, dense) = result?;
+    if let (Some(p), Some(d)) = (&args.dense_json, &dense) {
+        let text = serde_json::to_string_pretty(d).map_err(|e| CliError::Usage(e.to_string()))?;
+        std::fs::write(p, text).map_err(|e| Error::io(p, e))?;
+    }
     if let Some(p) = args.json {
         let text =
             serde_json::to_string_pretty(&report).map_err(|e| CliError::Usage(e.to_string()))?;
@@ -312,6 +476,7 @@ fn tempfile_dir() -> Result<PathBuf, CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::IndexRetriever;
     use std::io::Write;
 
     fn args(corpus: PathBuf, out: PathBuf, strict: bool) -> IndexArgs {
@@ -323,6 +488,11 @@ mod tests {
             strict,
             no_merge: false,
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
+            dense: false,
+            hybrid: false,
+            encoder: DEFAULT_ENCODER.into(),
+            f16: false,
+            encode_batch: 32,
         }
     }
 
@@ -458,8 +628,15 @@ mod tests {
 
     #[test]
     fn serve_rejects_bad_host() {
+        use clap::Parser;
         let e = run_serve(ServeArgs {
             index: PathBuf::from("/nonexistent"),
+            search: TestCli::try_parse_from(["t", "serve-retriever", "--index", "x"])
+                .map(|c| match c {
+                    TestCli::ServeRetriever(a) => a.search,
+                    _ => unreachable!(),
+                })
+                .unwrap(),
             host: "not-an-ip".into(),
             port: 0,
             token: None,

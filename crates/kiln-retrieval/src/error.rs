@@ -54,6 +54,9 @@ pub enum Error {
     /// The HTTP server could not start or failed while serving.
     #[error("retrieval server: {0}")]
     Server(String),
+    /// The sentence encoder of a dense index could not be loaded or failed.
+    #[error("encoder: {0}")]
+    Encoder(String),
     /// Invalid arguments passed to a library function or command.
     #[error("{0}")]
     Invalid(String),

@@ -65,8 +65,10 @@ pub struct SearchRecipe {
     /// during training) or a dataset name / path.
     pub eval_data: String,
     /// Search engine: `synthetic` (a BM25 index of the world's corpus, built on first use), a kiln index
-    /// directory (`kiln index`), or the URL of a `kiln serve-retriever` / Search-R1 retrieval server.
-    pub retriever: String,
+    /// directory (`kiln index`; BM25, or `dense:DIR` / `hybrid:DIR` for one built with `--dense`), the URL of a
+    /// `kiln serve-retriever` / Search-R1 retrieval server, or `{kind: bm25 | dense | hybrid, index: DIR,
+    /// encoder, ann: {kind: exact | hnsw, ...}, fusion: {bm25_weight, dense_weight, rrf_k, depth}}`.
+    pub retriever: RetrieverSpec,
     /// Root of the shared datasets (for dataset names).
     pub datasets_root: PathBuf,
     /// GRPO rollouts: questions per step, group size, protocol, refiner, reward, sampling.
@@ -120,7 +122,7 @@ impl Default for SearchRecipe {
             world: WorldConfig::default(),
             train_data: "synthetic".into(),
             eval_data: "synthetic".into(),
-            retriever: "synthetic".into(),
+            retriever: RetrieverSpec::Name("synthetic".into()),
             datasets_root: PathBuf::from("../shared/datasets"),
             search: SearchTaskConfig::default(),
             final_eval: FinalEval::default(),
@@ -131,9 +133,69 @@ impl Default for SearchRecipe {
 impl SearchRecipe {
     /// True when the world is used (data or retriever `synthetic`).
     pub fn uses_world(&self) -> bool {
-        [&self.train_data, &self.eval_data, &self.retriever]
-            .iter()
-            .any(|s| s.as_str() == "synthetic")
+        self.retriever.is_synthetic()
+            || [&self.train_data, &self.eval_data]
+                .iter()
+                .any(|s| s.as_str() == "synthetic")
+    }
+}
+
+/// `retriever:` of a search recipe: a string, or a local index with the kind of search to run on it.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum RetrieverSpec {
+    /// `synthetic`, an index directory (BM25), `bm25:DIR` / `dense:DIR` / `hybrid:DIR`, or a server URL.
+    Name(String),
+    /// `{kind: bm25 | dense | hybrid, index: DIR, encoder, ann, fusion}`.
+    Local(kiln_retrieval::LocalRetrieverConfig),
+}
+
+/// By hand rather than `#[serde(untagged)]`: a mistake inside the map form (`indx:`) is then reported as
+/// that field's error instead of "did not match any variant".
+impl<'de> Deserialize<'de> for RetrieverSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RetrieverSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(
+                    "a string (`synthetic`, an index folder, `dense:DIR`, `hybrid:DIR`, a server URL) or \
+                     {kind: bm25 | dense | hybrid, index: DIR, ...}",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(
+                self,
+                v: &str,
+            ) -> std::result::Result<RetrieverSpec, E> {
+                Ok(RetrieverSpec::Name(v.to_string()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                m: A,
+            ) -> std::result::Result<RetrieverSpec, A::Error> {
+                kiln_retrieval::LocalRetrieverConfig::deserialize(
+                    serde::de::value::MapAccessDeserializer::new(m),
+                )
+                .map(RetrieverSpec::Local)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl RetrieverSpec {
+    /// True for the synthetic world's own index.
+    pub fn is_synthetic(&self) -> bool {
+        matches!(self, RetrieverSpec::Name(s) if s == "synthetic")
+    }
+}
+
+impl std::fmt::Display for RetrieverSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RetrieverSpec::Name(s) => f.write_str(s),
+            RetrieverSpec::Local(c) => write!(f, "{}:{}", c.kind, c.index.display()),
+        }
     }
 }
 
@@ -168,8 +230,12 @@ fn world_index(world_dir: &Path) -> Result<kiln_retrieval::IndexRetriever> {
         .with_context(|| format!("opening {}", index.display()))
 }
 
-/// Opens a retriever from a recipe / CLI string (`synthetic` needs `world_dir`).
-pub fn open_retriever(spec: &str, world_dir: Option<&Path>) -> Result<RetrieverBackend> {
+/// Opens a retriever from a recipe's `retriever:` (`synthetic` needs `world_dir`).
+pub fn open_retriever(spec: &RetrieverSpec, world_dir: Option<&Path>) -> Result<RetrieverBackend> {
+    let spec = match spec {
+        RetrieverSpec::Name(s) => s.as_str(),
+        RetrieverSpec::Local(c) => return open_local(c),
+    };
     let r: Arc<dyn kiln_retrieval::Retriever> = if spec == "synthetic" {
         let dir = world_dir.context("the synthetic retriever needs the synthetic world")?;
         Arc::new(world_index(dir)?)
@@ -179,12 +245,27 @@ pub fn open_retriever(spec: &str, world_dir: Option<&Path>) -> Result<RetrieverB
                 .with_context(|| format!("retriever {spec}"))?,
         )
     } else {
-        Arc::new(
-            kiln_retrieval::IndexRetriever::open(Path::new(spec)).with_context(|| {
-                format!("opening the index {spec} (build one with `kiln index`)")
-            })?,
-        )
+        let c = kiln_retrieval::LocalRetrieverConfig::parse(spec).unwrap_or_else(|| {
+            kiln_retrieval::LocalRetrieverConfig::new(kiln_retrieval::RetrieverKind::Bm25, spec)
+        });
+        return open_local(&c);
     };
+    Ok(RetrieverBackend(r))
+}
+
+fn open_local(c: &kiln_retrieval::LocalRetrieverConfig) -> Result<RetrieverBackend> {
+    let r = kiln_retrieval::open_local(c).with_context(|| {
+        format!(
+            "opening the {} index {} (build one with `kiln index --corpus CORPUS --out DIR{}`)",
+            c.kind,
+            c.index.display(),
+            if c.kind == kiln_retrieval::RetrieverKind::Bm25 {
+                ""
+            } else {
+                " --dense"
+            }
+        )
+    })?;
     Ok(RetrieverBackend(r))
 }
 
@@ -537,7 +618,7 @@ pub fn eval_qa(
 ) -> Result<()> {
     let mut rr = r.clone();
     if let Some(x) = retriever {
-        rr.retriever = x.to_string();
+        rr.retriever = RetrieverSpec::Name(x.to_string());
     }
     let data = data.unwrap_or("synthetic");
     let sets: Vec<(String, Vec<QaExample>)> = if data == "synthetic" || data == "synthetic:test" {
@@ -573,7 +654,7 @@ pub fn eval_qa(
             })
             .collect::<Result<_>>()?
     };
-    let world_dir = if rr.retriever == "synthetic" {
+    let world_dir = if rr.retriever.is_synthetic() {
         Some(
             load_or_generate(&rr.world, &default_cache_root())
                 .map_err(PipelineError::msg)?
@@ -605,5 +686,38 @@ fn parse_modes(mode: Option<&str>) -> Result<Vec<EvalMode>> {
             .split(',')
             .map(|x| x.trim().parse::<EvalMode>().map_err(PipelineError::msg))
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retriever_is_a_string_or_a_local_index_with_its_kind() {
+        let r: SearchRecipe =
+            serde_json::from_value(serde_json::json!({"retriever": "hybrid:idx"})).unwrap();
+        assert_eq!(r.retriever, RetrieverSpec::Name("hybrid:idx".into()));
+        assert!(!r.retriever.is_synthetic());
+        let r: SearchRecipe = serde_json::from_value(serde_json::json!({
+            "retriever": {"kind": "dense", "index": "idx", "ann": {"kind": "hnsw", "m": 8}}
+        }))
+        .unwrap();
+        let RetrieverSpec::Local(c) = &r.retriever else {
+            panic!("{:?}", r.retriever)
+        };
+        assert_eq!(c.kind, kiln_retrieval::RetrieverKind::Dense);
+        assert_eq!(r.retriever.to_string(), "dense:idx");
+        assert!(SearchRecipe::default().retriever.is_synthetic());
+        // A misspelt field of the map form is refused, not read as a string.
+        let bad = serde_json::json!({"retriever": {"kind": "dense", "indx": "idx"}});
+        let e = serde_json::from_value::<SearchRecipe>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `indx`"), "{e}");
+        let e = serde_json::from_value::<SearchRecipe>(serde_json::json!({"retriever": 3}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hybrid:DIR"), "{e}");
     }
 }
