@@ -10,6 +10,7 @@
 # SET=ablation (one lane) runs instead, same warm start and budget:
 #   r2              Search-R2 without dynamic sampling (is the draw what makes r2-dynamic hold?)
 #   r2-lr1e-4, r2-dynamic-lr1e-4, r1-lr1e-4   the same at a third of the step size
+# SET=long: r2-lr1e-4-120 and r1-lr1e-4-120, 120 steps at lr 1e-4 (twice the budget).
 # Two lanes of one thread each (RAYON_NUM_THREADS=1); re-running continues unfinished runs from their
 # newest checkpoint (`kiln train --resume`) and skips finished ones.
 # Usage (from a directory holding recipes/ and configs/): bash scripts/bench/search_dynamic.sh [OUT]
@@ -48,7 +49,10 @@ run() { # name, recipe, extra --set args...
 dyn=(--set search.dynamic_sampling.enabled=true --set search.dynamic_sampling.max_draw_factor=3)
 # The warm start first, alone (it creates the shared warm-start folder when missing).
 RAYON_NUM_THREADS=${WARM_THREADS:-2} run warm-start recipes/search_r1.yaml --set optim.lr=1e-12 --set trainer.steps=1
-if [ "${SET:-dynamic}" = ablation ]; then
+if [ "${SET:-dynamic}" = long ]; then
+  run r1-lr1e-4-120 recipes/search_r1.yaml --set optim.lr=1e-4 --set trainer.steps=120
+  run r2-lr1e-4-120 recipes/search_r2.yaml --set optim.lr=1e-4 --set trainer.steps=120
+elif [ "${SET:-dynamic}" = ablation ]; then
   run r2 recipes/search_r2.yaml
   run r2-lr1e-4 recipes/search_r2.yaml --set optim.lr=1e-4
   run r1-lr1e-4 recipes/search_r1.yaml --set optim.lr=1e-4

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # kiln's BM25 retriever side by side with the Python peer `bm25s` on the real corpora (26k passages, 402 questions):
-# index build time, single-thread and all-thread QPS, recall@3/@10, and kiln's server p50/p99 under 32 clients.
+# index build time, single-thread and all-thread QPS, recall@3/@10, and kiln's server p50/p99 under 32 clients;
+# then (`--dense`) BM25, dense exact, dense HNSW and hybrid side by side on the same index and questions: recall@3/@10,
+# HNSW recall vs exact, batch QPS and server latency. The index (with its embeddings, ~30 CPU-minutes to compute
+# with all-MiniLM-L6-v2) are kept in target/bench/retrieval/dense-cache and reused by later runs.
 # Needs target/release/kiln (`just build`) and the venv (`just setup-test`; numba there adds a bm25s-numba row). Extra arguments go to
 # `kiln bench-retriever` (e.g. --clients 64 --requests 500). Results: target/bench/retrieval/{bm25s,kiln}.json.
 set -euo pipefail
@@ -21,4 +24,4 @@ if "$PY" -c 'import numba' 2>/dev/null; then
   PEERS+=(--peer "$OUT/bm25s_numba.json")
 fi
 "$KILN" bench-retriever "${CORPUS[@]}" --queries "$D/gold_context_union_qa.jsonl" \
-  "${PEERS[@]}" --json "$OUT/kiln.json" "$@"
+  "${PEERS[@]}" --json "$OUT/kiln.json" --dense --dense-cache "$OUT/dense-cache" --dense-json "$OUT/kiln_dense.json" "$@"

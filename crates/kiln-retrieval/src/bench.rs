@@ -555,6 +555,9 @@ pub struct DenseBenchConfig {
     pub encode_batch: usize,
     /// Re-embed even when a dense part with this encoder exists.
     pub rebuild: bool,
+    /// A folder keeping a copy of the dense part between runs (the BM25 build of the benchmark replaces the
+    /// index directory, dense part included): reused when it holds embeddings of the same encoder and corpus files.
+    pub cache: Option<PathBuf>,
     /// HNSW parameters of the approximate row.
     pub hnsw: crate::dense::HnswParams,
     /// Fusion of the hybrid row.
@@ -600,6 +603,20 @@ pub fn run_dense(cfg: &DenseBenchConfig) -> Result<DenseBenchReport, Error> {
     };
     let qa = load_qa(&cfg.queries)?;
     let encoder = crate::encoder::load_encoder(&cfg.encoder)?;
+    let dense_dir = cfg.index_dir.join(crate::dense::DENSE_DIR);
+    if let Some(cache) = &cfg.cache
+        && !cfg.rebuild
+        && !dense_dir.exists()
+    {
+        let fits = std::fs::read_to_string(cache.join(crate::dense::META_FILE))
+            .ok()
+            .and_then(|t| serde_json::from_str::<crate::dense::DenseMeta>(&t).ok())
+            .is_some_and(|m| m.fingerprint == encoder.fingerprint() && m.corpus == cfg.corpus);
+        if fits {
+            copy_files(cache, &dense_dir)?;
+            println!("dense part reused from {}", cache.display());
+        }
+    }
     let have = read_meta(&cfg.index_dir)
         .ok()
         .filter(|m| m.fingerprint == encoder.fingerprint());
@@ -624,6 +641,12 @@ pub fn run_dense(cfg: &DenseBenchConfig) -> Result<DenseBenchReport, Error> {
             m.passages_per_sec,
             rayon::current_num_threads()
         );
+        if let Some(cache) = &cfg.cache {
+            if cache.exists() {
+                std::fs::remove_dir_all(cache).map_err(|e| Error::io(cache, e))?;
+            }
+            copy_files(&dense_dir, cache)?;
+        }
     }
     let meta = read_meta(&cfg.index_dir)?;
     let exact = DenseRetriever::open(&cfg.index_dir, encoder.clone(), Ann::Exact)?;
@@ -692,6 +715,19 @@ pub fn run_dense(cfg: &DenseBenchConfig) -> Result<DenseBenchReport, Error> {
     };
     print_dense(&report, qa.len(), cfg);
     Ok(report)
+}
+
+/// Copies the files of `from` (one level) into a new folder `to`.
+fn copy_files(from: &Path, to: &Path) -> Result<(), Error> {
+    std::fs::create_dir_all(to).map_err(|e| Error::io(to, e))?;
+    for e in std::fs::read_dir(from).map_err(|e| Error::io(from, e))? {
+        let e = e.map_err(|e| Error::io(from, e))?;
+        if e.path().is_file() {
+            let dst = to.join(e.file_name());
+            std::fs::copy(e.path(), &dst).map_err(|err| Error::io(&dst, err))?;
+        }
+    }
+    Ok(())
 }
 
 fn print_dense(r: &DenseBenchReport, questions: usize, cfg: &DenseBenchConfig) {

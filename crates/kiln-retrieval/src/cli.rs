@@ -278,6 +278,10 @@ pub struct BenchArgs {
     /// Re-embed the passages even when `--index-dir` holds embeddings of this encoder.
     #[arg(long)]
     pub rebuild_dense: bool,
+    /// Keep a copy of the embeddings here and reuse it in later runs (`--dense`; the benchmark's BM25 build
+    /// replaces the index directory).
+    #[arg(long)]
+    pub dense_cache: Option<PathBuf>,
     /// Passages per encoder batch (`--dense`).
     #[arg(long, default_value_t = 32)]
     pub encode_batch: usize,
@@ -437,6 +441,7 @@ pub fn run_bench(args: BenchArgs) -> Result<(), CliError> {
                 .unwrap_or_else(|| DEFAULT_ENCODER.to_string()),
             encode_batch: args.encode_batch,
             rebuild: args.rebuild_dense,
+            cache: args.dense_cache.clone(),
             hnsw: match sc.ann {
                 Ann::Hnsw(p) => p,
                 Ann::Exact => HnswParams {

@@ -321,7 +321,7 @@ pub struct ExactIndex {
 impl ExactIndex {
     /// Wraps a row-major `rows x dim` matrix.
     pub fn new(dim: usize, data: Vec<f32>) -> Result<Self, Error> {
-        if dim == 0 || data.len() % dim != 0 {
+        if dim == 0 || !data.len().is_multiple_of(dim) {
             return Err(Error::Invalid(format!(
                 "embedding matrix of {} values is not a whole number of rows of dimension {dim}",
                 data.len()

@@ -260,7 +260,7 @@ fn corrupt_or_foreign_dense_parts_are_refused_with_the_fix() {
     // Another encoder than the one the passages were embedded with (same weights, CLS pooling: another model
     // as far as the vectors go).
     let other = dir.path().join("other-encoder");
-    copy_dir(&encoder().dir().to_path_buf(), &other);
+    copy_dir(encoder().dir(), &other);
     let pooling = other.join("1_Pooling/config.json");
     let text = std::fs::read_to_string(&pooling).unwrap();
     std::fs::write(
