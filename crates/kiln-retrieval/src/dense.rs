@@ -516,14 +516,15 @@ impl HnswParams {
     }
 }
 
-/// `1 - <a, b>`: cosine distance for L2-normalised vectors. (hnsw_rs's own `DistDot` asserts `<a, b> <= 1`,
-/// which rounding breaks for a vector against itself; this one does not assert.)
+/// `max(0, 1 - <a, b>)`: cosine distance for L2-normalised vectors. Clamped at 0: rounding puts `<a, b>` of
+/// identical passages (corpora hold duplicates under different ids) a little above 1, and hnsw_rs asserts that
+/// distances are not negative (its own `DistDot` asserts `<a, b> <= 1`).
 #[derive(Debug, Clone, Copy, Default)]
 struct InnerProduct;
 
 impl hnsw_rs::prelude::Distance<f32> for InnerProduct {
     fn eval(&self, va: &[f32], vb: &[f32]) -> f32 {
-        1.0 - dot(va, vb)
+        (1.0 - dot(va, vb)).max(0.0)
     }
 }
 
@@ -1190,6 +1191,27 @@ mod tests {
             let q = &queries[qi * d..(qi + 1) * d];
             assert!((hits[0].1 - dot(q, exact.row(hits[0].0 as usize))).abs() < 1e-5);
         }
+    }
+
+    #[test]
+    fn hnsw_builds_over_duplicate_rows_whose_dot_rounds_above_one() {
+        // The real corpus holds the same passage under several ids: identical rows, and a dot product of a
+        // row with itself that rounds to 1 + 1e-7. hnsw_rs asserts that distances are not negative.
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let d = 384;
+        let base = random_unit(&mut rng, 200, d);
+        let over: Vec<f32> = base.iter().map(|x| x * 1.000_000_2).collect();
+        assert!((0..200).any(|i| dot(&over[i * d..(i + 1) * d], &over[i * d..(i + 1) * d]) > 1.0));
+        let mut data = over.clone();
+        data.extend_from_slice(&over);
+        let exact = ExactIndex::new(d, data).unwrap();
+        let h = HnswIndex::build(&exact, HnswParams::default()).unwrap();
+        let hits = &h.search(&over[..d], d, 2)[0];
+        assert_eq!(hits[0].1, 1.0);
+        assert_eq!(
+            hits.iter().map(|x| x.0 % 200).collect::<Vec<_>>(),
+            vec![0, 0]
+        );
     }
 
     #[test]
