@@ -21,6 +21,29 @@ fn run_dir(project: &Path, prefix: &str) -> PathBuf {
     v.pop().unwrap()
 }
 
+/// `kiln eval RUN --task qa --data synthetic --mode MODES --limit 3 EXTRA...` succeeds and prints the first
+/// mode's row for 3 questions.
+fn eval_synthetic(project: &Path, run: &Path, modes: &str, extra: &[&str]) {
+    let mut a = vec![
+        "eval",
+        run.to_str().unwrap(),
+        "--task",
+        "qa",
+        "--data",
+        "synthetic",
+        "--mode",
+        modes,
+        "--limit",
+        "3",
+    ];
+    a.extend_from_slice(extra);
+    let out = run_kiln(project, &a);
+    assert!(out.status.success(), "{}", text(&out));
+    let first = modes.split(',').next().unwrap();
+    let row = format!("| synthetic-test | {first} | 3 |");
+    assert!(text(&out).contains(&row), "{}", text(&out));
+}
+
 /// The first file called `name` below `dir`.
 fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
     for e in std::fs::read_dir(dir).ok()?.flatten() {
@@ -126,27 +149,7 @@ fn search_r2_trains_evaluates_and_reports() {
         std::fs::read_to_string(run.join("eval/qa-step-2/transcripts.jsonl")).unwrap();
     assert_eq!(transcripts.lines().count(), 12);
     // kiln eval --task qa of the same checkpoint, other modes and a limit.
-    let out = run_kiln(
-        p.path(),
-        &[
-            "eval",
-            run.to_str().unwrap(),
-            "--task",
-            "qa",
-            "--data",
-            "synthetic",
-            "--mode",
-            "agent,rag",
-            "--limit",
-            "3",
-        ],
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("| synthetic-test | agent | 3 |"),
-        "{}",
-        text(&out)
-    );
+    eval_synthetic(p.path(), &run, "agent,rag", &[]);
     // The same evaluation over a hybrid (BM25 + dense) index of the world's corpus (`kiln index --dense`).
     let corpus = find_file(&p.path().join("datasets/cache/synthetic"), "corpus.jsonl")
         .expect("the world's corpus.jsonl");
@@ -165,29 +168,7 @@ fn search_r2_trains_evaluates_and_reports() {
     assert!(out.status.success(), "{}", text(&out));
     assert!(idx.join("dense/dense.json").is_file());
     let hybrid = format!("hybrid:{}", idx.display());
-    let out = run_kiln(
-        p.path(),
-        &[
-            "eval",
-            run.to_str().unwrap(),
-            "--task",
-            "qa",
-            "--data",
-            "synthetic",
-            "--mode",
-            "rag",
-            "--limit",
-            "3",
-            "--retriever",
-            &hybrid,
-        ],
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("| synthetic-test | rag | 3 |"),
-        "{}",
-        text(&out)
-    );
+    eval_synthetic(p.path(), &run, "rag", &["--retriever", &hybrid]);
     // Search-R1 reuses the same warm start (it is not rewritten).
     let ws = p.path().join("runs/search/warm-start/model.safetensors");
     let before = std::fs::metadata(&ws).unwrap().modified().unwrap();
