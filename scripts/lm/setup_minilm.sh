@@ -40,14 +40,14 @@ if [ ! -f "$DEST/model.safetensors" ] || [ ! -f "$DEST/config.json" ]; then
 import os, shutil, sys, zipfile
 zip_path, dest = sys.argv[1], sys.argv[2]
 tmp = dest + ".partial"
-shutil.rmtree(tmp, ignore_errors=True)
-os.makedirs(tmp)
 with zipfile.ZipFile(zip_path) as z:
     members = [m for m in z.infolist() if not m.is_dir()]
     for m in members:
         parts = m.filename.replace("\\", "/").split("/")
         if m.filename.startswith(("/", "\\")) or ":" in parts[0] or ".." in parts:
             sys.exit(f"setup_minilm: refusing zip member {m.filename!r} (absolute path or '..')")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     # The archive may hold the model folder itself or one folder around it: find config.json.
     configs = sorted((m.filename for m in members if m.filename.split("/")[-1] == "config.json"
                       and not m.filename.startswith("1_Pooling")), key=lambda n: n.count("/"))

@@ -1,6 +1,7 @@
 //! Benchmark: the sentence encoder (all-MiniLM-L6-v2) on burn-flex, encoding the first N passages
 //! (the `text` field) of a corpus JSONL file as passages. Prints one JSON line with passages/s and
-//! tokens/s (tokens: special tokens included, after truncation to max_seq_len, no padding).
+//! tokens/s (tokens: special tokens included, after truncation to max_seq_len, no padding), and
+//! passages per CPU-second (process CPU time, steadier than wall time on a shared machine).
 //! Threads: RAYON_NUM_THREADS (default: all cores).
 //!
 //! `RAYON_NUM_THREADS=1 cargo run --release -p kiln-lm --example bench_encoder -- [CORPUS]
@@ -58,17 +59,31 @@ fn main() {
         .sum();
     enc.encode(&refs[..refs.len().min(64)], TextKind::Passage, batch)
         .expect("warm-up");
-    let t = Instant::now();
+    let (t, cpu0) = (Instant::now(), cpu_seconds());
     let v = enc.encode(&refs, TextKind::Passage, batch).expect("encode");
-    let s = t.elapsed().as_secs_f64();
+    let (s, cpu) = (t.elapsed().as_secs_f64(), cpu_seconds() - cpu0);
     assert_eq!(v.len(), refs.len() * enc.dim());
     println!(
-        "{{\"impl\":\"kiln\",\"backend\":\"burn-flex\",\"threads\":{threads},\"batch_size\":{batch},\"passages\":{},\"tokens\":{tokens},\"dim\":{},\"load_s\":{load_s:.3},\"seconds\":{s:.3},\"passages_per_s\":{:.1},\"tokens_per_s\":{:.1}}}",
+        "{{\"impl\":\"kiln\",\"backend\":\"burn-flex\",\"threads\":{threads},\"batch_size\":{batch},\"passages\":{},\"tokens\":{tokens},\"dim\":{},\"load_s\":{load_s:.3},\"seconds\":{s:.3},\"cpu_seconds\":{cpu:.2},\"passages_per_s\":{:.1},\"tokens_per_s\":{:.1},\"passages_per_cpu_s\":{:.1}}}",
         refs.len(),
         enc.dim(),
         refs.len() as f64 / s,
-        tokens as f64 / s
+        tokens as f64 / s,
+        refs.len() as f64 / cpu
     );
+}
+
+/// CPU time of the whole process (all threads), from /proc/self/stat (10 ms ticks): on a
+/// shared machine it is steadier than wall time.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the `(comm)`: state is field 3; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
 }
 
 fn rayon_threads() -> usize {

@@ -1,5 +1,6 @@
 //! kiln-lm: models in burn (causal decoder compatible with Llama / Qwen2, bidirectional
-//! masked-diffusion denoiser compatible with LLaDA), weight loading, tokenizers and generation.
+//! masked-diffusion denoiser compatible with LLaDA, BERT-family sentence encoder for dense
+//! retrieval), weight loading, tokenizers and generation.
 //! Knows nothing of RL.
 
 pub mod bert;

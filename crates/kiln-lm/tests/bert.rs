@@ -75,7 +75,7 @@ fn passages_match_sentence_transformers() {
     assert_eq!(enc.pooling(), Pooling::Mean);
     assert!(enc.normalizes());
     // The fixture covers truncated passages too.
-    assert!(exp.token_counts.iter().any(|&n| n == exp.max_seq_length));
+    assert!(exp.token_counts.contains(&exp.max_seq_length));
     let texts: Vec<&str> = exp.texts.iter().map(String::as_str).collect();
     let got = enc.encode(&texts, TextKind::Passage, 32).unwrap();
     let (min_cos, max_abs, at) = compare(&got, &exp.embeddings, exp.dim);
