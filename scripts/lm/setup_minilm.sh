@@ -68,17 +68,5 @@ shutil.rmtree(dest, ignore_errors=True)
 os.rename(tmp, dest)
 PY
 fi
-"$PY" - "$REPO/.kiln/models.json" "$DEST" <<'PY'
-import json, os, sys
-path, folder = sys.argv[1], sys.argv[2]
-models = {}
-if os.path.exists(path):
-    try:
-        models = json.load(open(path))
-    except ValueError:
-        models = {}
-models["all-minilm-l6-v2"] = folder
-with open(path, "w") as f:
-    json.dump(models, f, indent=2, sort_keys=True)
-PY
+"$PY" "$REPO/scripts/lm/record_model.py" "$REPO/.kiln/models.json" all-minilm-l6-v2 "$DEST"
 echo "all-minilm-l6-v2: $DEST (recorded in .kiln/models.json)"

@@ -30,17 +30,5 @@ if [ -z "$GGUF" ]; then
   exit 1
 fi
 mkdir -p "$REPO/.kiln"
-"$PY" - "$REPO/.kiln/models.json" "$GGUF" <<'PY'
-import json, os, sys
-path, gguf = sys.argv[1], sys.argv[2]
-models = {}
-if os.path.exists(path):
-    try:
-        models = json.load(open(path))
-    except ValueError:
-        models = {}
-models["smollm2-135m"] = gguf
-with open(path, "w") as f:
-    json.dump(models, f, indent=2, sort_keys=True)
-PY
+"$PY" "$REPO/scripts/lm/record_model.py" "$REPO/.kiln/models.json" smollm2-135m "$GGUF"
 echo "smollm2-135m: $GGUF (recorded in .kiln/models.json)"
