@@ -67,6 +67,8 @@ bench: build
     cargo run --release -p kiln-search --example synthetic_world
     cargo run --release -p kiln-sas --example sas_bench
     cargo run --release -p kiln-lm --example bench_smollm2
+    cargo run --release -p kiln-lm --example bench_encoder
+    @echo "sentence-transformers side of the encoder bench: RAYON_NUM_THREADS=N python scripts/lm/bench_st.py (needs torch, sentence-transformers)"
     @echo "PyTorch side of the SmolLM2 bench: python scripts/lm/bench_torch.py GGUF_PATH (path in .kiln/models.json; needs torch, transformers, gguf)"
 
 # Format the code.
