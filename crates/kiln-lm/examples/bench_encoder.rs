@@ -37,7 +37,7 @@ fn main() {
             _ => corpus = a,
         }
     }
-    let threads = rayon_threads();
+    let threads = rayon::current_num_threads();
     let file = std::fs::File::open(&corpus).unwrap_or_else(|e| panic!("{corpus}: {e}"));
     let texts: Vec<String> = std::io::BufReader::new(file)
         .lines()
@@ -84,15 +84,4 @@ fn cpu_seconds() -> f64 {
         .map(|x| x.parse().unwrap_or(0.0))
         .collect();
     (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
-}
-
-fn rayon_threads() -> usize {
-    std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        })
 }

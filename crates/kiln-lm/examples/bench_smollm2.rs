@@ -19,7 +19,7 @@ fn main() {
         .ok()
         .or_else(|| zoo::lookup_name("smollm2-135m").ok().flatten())
         .expect("SmolLM2 GGUF not found: run `just setup`");
-    let threads = rayon_threads();
+    let threads = rayon::current_num_threads();
     let device = Device::flex();
     let model = load_gguf(&path, &device).expect("load");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
@@ -75,15 +75,4 @@ fn main() {
         n as f64 / gen_s,
         train_flops / best / 1e9
     );
-}
-
-fn rayon_threads() -> usize {
-    std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        })
 }
