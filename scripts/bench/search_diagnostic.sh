@@ -7,7 +7,7 @@
 #
 # Runs in two lanes of one thread each (RAYON_NUM_THREADS=1). Re-running the script continues
 # unfinished runs from their newest checkpoint (`kiln train --resume`) and skips finished ones.
-# Needs the warm start of recipes/search_r1.yaml (created on first use, ~40-60 min on 2 cores).
+# Needs the warm start of recipes/search_r1_tiny.yaml (created on first use, ~40-60 min on 2 cores).
 # Usage: bash scripts/bench/search_diagnostic.sh [OUT_DIR]   (from the directory holding recipes/)
 # Replications on other questions: OFFSET=16 (questions 17-32 of the train split), and ONLY="warm-start
 # lr3e-4 placebo-lr3e-4" to run a subset of the runs.
@@ -52,7 +52,7 @@ run() { # name, extra --set args...
   else
     [ -n "$dir" ] && rm -rf "$dir"
     echo "$name: starting"
-    RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-1} "$KILN" train recipes/search_r1.yaml "${common[@]}" --set "name=$name" "$@" \
+    RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-1} "$KILN" train recipes/search_r1_tiny.yaml "${common[@]}" --set "name=$name" "$@" \
       > "$OUT/$name.log" 2>&1
   fi
   echo "$name: finished"

@@ -48,18 +48,18 @@ run() { # name, recipe, extra --set args...
 
 dyn=(--set search.dynamic_sampling.enabled=true --set search.dynamic_sampling.max_draw_factor=3)
 # The warm start first, alone (it creates the shared warm-start folder when missing).
-RAYON_NUM_THREADS=${WARM_THREADS:-2} run warm-start recipes/search_r1.yaml --set optim.lr=1e-12 --set trainer.steps=1
+RAYON_NUM_THREADS=${WARM_THREADS:-2} run warm-start recipes/search_r1_tiny.yaml --set optim.lr=1e-12 --set trainer.steps=1
 if [ "${SET:-dynamic}" = long ]; then
-  run r1-lr1e-4-120 recipes/search_r1.yaml --set optim.lr=1e-4 --set trainer.steps=120
-  run r2-lr1e-4-120 recipes/search_r2.yaml --set optim.lr=1e-4 --set trainer.steps=120
+  run r1-lr1e-4-120 recipes/search_r1_tiny.yaml --set optim.lr=1e-4 --set trainer.steps=120
+  run r2-lr1e-4-120 recipes/search_r2_tiny.yaml --set optim.lr=1e-4 --set trainer.steps=120
 elif [ "${SET:-dynamic}" = ablation ]; then
-  run r2 recipes/search_r2.yaml
-  run r2-lr1e-4 recipes/search_r2.yaml --set optim.lr=1e-4
-  run r1-lr1e-4 recipes/search_r1.yaml --set optim.lr=1e-4
-  run r2-dynamic-lr1e-4 recipes/search_r2.yaml "${dyn[@]}" --set optim.lr=1e-4
+  run r2 recipes/search_r2_tiny.yaml
+  run r2-lr1e-4 recipes/search_r2_tiny.yaml --set optim.lr=1e-4
+  run r1-lr1e-4 recipes/search_r1_tiny.yaml --set optim.lr=1e-4
+  run r2-dynamic-lr1e-4 recipes/search_r2_tiny.yaml "${dyn[@]}" --set optim.lr=1e-4
 else
-  ( run r1 recipes/search_r1.yaml; run r2-dynamic recipes/search_r2.yaml "${dyn[@]}" ) &
-  ( run r1-dynamic recipes/search_r1.yaml "${dyn[@]}" ) &
+  ( run r1 recipes/search_r1_tiny.yaml; run r2-dynamic recipes/search_r2_tiny.yaml "${dyn[@]}" ) &
+  ( run r1-dynamic recipes/search_r1_tiny.yaml "${dyn[@]}" ) &
   wait
 fi
 # Agent EM of every run on the whole test split (500 questions; the final table has 200).

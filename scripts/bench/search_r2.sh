@@ -14,6 +14,6 @@ if [ -d "$root/runs/search/warm-start" ]; then mkdir -p runs/search && cp -r "$r
 common=(--set trainer.steps="$steps" --set trainer.eval_every=0 --set final_eval.questions=0
         --set logging.plots=false --set trainer.checkpoint_every=0)
 echo "search_r2 bench: $steps GRPO steps each, $(nproc) cores"
-KILN_LOG=warn "$kiln" train recipes/search_r1.yaml "${common[@]}" > r1.txt
-KILN_LOG=warn "$kiln" train recipes/search_r2.yaml "${common[@]}" > r2.txt
+KILN_LOG=warn "$kiln" train recipes/search_r1_tiny.yaml "${common[@]}" > r1.txt
+KILN_LOG=warn "$kiln" train recipes/search_r2_tiny.yaml "${common[@]}" > r2.txt
 python3 "$root/scripts/bench/search_r2.py" runs/search_r1-*/ runs/search_r2-*/ --skip 1

@@ -1,6 +1,7 @@
-//! End-to-end: `kiln train recipes/search_r2.yaml` on a small synthetic world (warm start, joint GRPO with the
-//! meta-refiner, final direct/RAG/agent table), `kiln eval --task qa` of its checkpoint, and bad recipes /
-//! retrievers as clear errors.
+//! End-to-end: `kiln train recipes/search_r2_tiny.yaml` on a small synthetic world (warm start, joint GRPO with
+//! the meta-refiner, final direct/RAG/agent table), `kiln eval --task qa` of its checkpoint, bad recipes /
+//! retrievers as clear errors, and the default `recipes/search_r2.yaml` (SmolLM2-135M-Instruct, cold start,
+//! LoRA GRPO) on the installed model.
 
 use std::path::{Path, PathBuf};
 
@@ -107,9 +108,9 @@ fn args<'a>(recipe: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 #[test]
 fn search_r2_trains_evaluates_and_reports() {
     let p = scratch_project();
-    let out = run_kiln(p.path(), &args("recipes/search_r2.yaml", &[]));
+    let out = run_kiln(p.path(), &args("recipes/search_r2_tiny.yaml", &[]));
     assert!(out.status.success(), "{}", text(&out));
-    let run = run_dir(p.path(), "search_r2");
+    let run = run_dir(p.path(), "search_r2_tiny");
     let rows = read_metrics(&run.join("metrics.jsonl"));
     assert_eq!(rows.len(), 2);
     for key in [
@@ -175,13 +176,13 @@ fn search_r2_trains_evaluates_and_reports() {
     let out = run_kiln(
         p.path(),
         &args(
-            "recipes/search_r1.yaml",
+            "recipes/search_r1_tiny.yaml",
             &["--set", "final_eval.questions=0"],
         ),
     );
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(std::fs::metadata(&ws).unwrap().modified().unwrap(), before);
-    let r1 = read_metrics(&run_dir(p.path(), "search_r1").join("metrics.jsonl"));
+    let r1 = read_metrics(&run_dir(p.path(), "search_r1_tiny").join("metrics.jsonl"));
     assert!(
         r1[0].get("refiner/intervention_volume").is_none(),
         "refiner must be off"
@@ -202,16 +203,39 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     ] {
         let out = run_kiln(
             p.path(),
-            &["train", "recipes/search_r2.yaml", "--dry-run", "--set", set],
+            &[
+                "train",
+                "recipes/search_r2_tiny.yaml",
+                "--dry-run",
+                "--set",
+                set,
+            ],
         );
         assert_eq!(out.status.code(), Some(2), "{set}: {}", text(&out));
         assert!(text(&out).contains(want), "{set}: {}", text(&out));
         assert!(!text(&out).contains("panicked"), "{}", text(&out));
     }
+    // The default recipe's cold start needs the synthetic world's demonstrations.
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "recipes/search_r2.yaml",
+            "--dry-run",
+            "--set",
+            "train_data=hotpotqa_dev500",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("set `warm_start: {steps: 0}`"),
+        "{}",
+        text(&out)
+    );
     let out = run_kiln(
         p.path(),
         &args(
-            "recipes/search_r2.yaml",
+            "recipes/search_r2_tiny.yaml",
             &["--set", "retriever=/nonexistent/index"],
         ),
     );
@@ -220,18 +244,22 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     assert!(!text(&out).contains("panicked"), "{}", text(&out));
 }
 
-/// `recipes/search_r2_smollm2.yaml` as shipped (its `pretrained:` name is the one `just setup` records) runs a
-/// GRPO step with the real SmolLM2-135M-Instruct as actor and refiner, and its final table.
+/// The default `recipes/search_r2.yaml` as shipped (its `pretrained:` name is the one `just setup` records),
+/// shrunk: the cold start of SmolLM2-135M-Instruct (LoRA SFT on scripted demonstrations, merged into
+/// init_dir, the tokenizer left to the base), a LoRA GRPO step with the real model as actor and refiner, and
+/// a final table whose prompts (direct, RAG and agent) are all inside the chat template the policy was
+/// trained in; then `recipes/search_r1.yaml` reuses the cold start.
 #[test]
-fn smollm2_recipe_runs_on_the_installed_model() {
+fn default_smollm2_recipe_cold_starts_and_trains_on_the_installed_model() {
     let p = scratch_project();
-    let a = args(
-        "recipes/search_r2_smollm2.yaml",
-        &[
+    let small = |recipe: &'static str| {
+        let mut a = vec!["train", recipe];
+        a.extend_from_slice(&SMALL[..6]); // the small world
+        a.extend_from_slice(&[
+            "--set",
+            "warm_start={steps: 2, batch_size: 2, lr: 0.0005, max_questions: 4}",
             "--set",
             "trainer.steps=1",
-            "--set",
-            "trainer.eval_every=0",
             "--set",
             "trainer.mini_batch_size=2",
             "--set",
@@ -245,12 +273,15 @@ fn smollm2_recipe_runs_on_the_installed_model() {
             "--set",
             "final_eval.questions=2",
             "--set",
-            "final_eval.modes=[agent]",
-        ],
-    );
-    let out = run_kiln(p.path(), &a);
+            "final_eval.resamples=100",
+            "--set",
+            "logging.plots=false",
+        ]);
+        a
+    };
+    let out = run_kiln(p.path(), &small("recipes/search_r2.yaml"));
     assert!(out.status.success(), "{}", text(&out));
-    let run = run_dir(p.path(), "search_r2_smollm2");
+    let run = run_dir(p.path(), "search_r2");
     let rows = read_metrics(&run.join("metrics.jsonl"));
     assert_eq!(rows.len(), 1);
     assert!(
@@ -258,10 +289,29 @@ fn smollm2_recipe_runs_on_the_installed_model() {
         "{:?}",
         rows[0].keys()
     );
-    // No warm start was made: the policy is the installed checkpoint.
-    assert!(!p.path().join("runs/search/warm-start").exists());
-    let report = std::fs::read_to_string(run.join("eval/qa-step-1/report.md")).unwrap();
-    assert!(report.contains("| agent |"), "{report}");
+    // The cold start: merged weights and its report naming the base; no tokenizer of its own.
+    let cold = p.path().join("runs/search/cold-start-smollm2");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cold.join("warm_start.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["base"], "smollm2-135m", "{report}");
+    assert!(cold.join("model.safetensors").is_file());
+    assert!(!cold.join("tokenizer.json").exists());
+    // Every mode's prompt is chat-wrapped, as in training.
+    let transcripts =
+        std::fs::read_to_string(run.join("eval/qa-step-1/transcripts.jsonl")).unwrap();
+    assert_eq!(transcripts.lines().count(), 6);
+    for line in transcripts.lines() {
+        assert!(line.contains("<|im_start|>user"), "{line}");
+    }
+    // Search-R1 reuses the cold start (not rewritten).
+    let w = cold.join("model.safetensors");
+    let before = std::fs::metadata(&w).unwrap().modified().unwrap();
+    let mut a = small("recipes/search_r1.yaml");
+    a.extend_from_slice(&["--set", "final_eval.questions=0"]);
+    let out = run_kiln(p.path(), &a);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::metadata(&w).unwrap().modified().unwrap(), before);
 }
 
 /// LoRA from a recipe (`lora: {rank, alpha}`): the run trains the adapters only (the log names the
@@ -273,7 +323,7 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
     let out = kiln_e2e::kiln(p.path())
         .env("KILN_LOG", "info")
         .args(args(
-            "recipes/search_r2.yaml",
+            "recipes/search_r2_tiny.yaml",
             &["--set", "lora={rank: 4, alpha: 8}", "--set", "name=lora"],
         ))
         .output()
@@ -305,7 +355,7 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
     // A bad LoRA setting is a located recipe error.
     let out = run_kiln(
         p.path(),
-        &args("recipes/search_r2.yaml", &["--set", "lora={rank: 0}"]),
+        &args("recipes/search_r2_tiny.yaml", &["--set", "lora={rank: 0}"]),
     );
     assert!(!out.status.success());
     assert!(

@@ -128,6 +128,15 @@ pub fn resolve(spec: &str) -> Result<ModelSource, ZooError> {
     }
 }
 
+/// Load only the tokenizer of a spec (see [`resolve`]): `tokenizer.json` of an HF folder, or the
+/// tokenizer a GGUF file embeds (its weights are not read).
+pub fn load_tokenizer(spec: &str) -> Result<Tokenizer, ZooError> {
+    match resolve(spec)? {
+        ModelSource::HfDir(dir) => Ok(Tokenizer::from_hf_dir(&dir)?),
+        ModelSource::Gguf(path) => Ok(Tokenizer::from_gguf(&GgufFile::open(&path)?)?),
+    }
+}
+
 /// Load a model and its tokenizer from a spec (see [`resolve`]). A tokenizer with ids the
 /// model's vocabulary lacks is an error ([`Tokenizer::check_vocab`]), found before the weights
 /// are read. Never panics on corrupt files (see [`crate::weights`], [`crate::gguf`]).

@@ -286,32 +286,30 @@ impl EvalMode {
         }
     }
 
-    /// A fresh episode for `question`. `rag_passages` (the top-k for the question) is required for
+    /// A fresh episode for `question` with the prompt of this mode in `templates`. `rag_passages` (the top-k for the question) is required for
     /// [`EvalMode::Rag`] and ignored otherwise. Direct and RAG episodes have one turn, without search.
     pub fn episode(
         self,
         question: &str,
         rag_passages: Option<&[crate::protocol::Passage]>,
         protocol: &crate::protocol::ProtocolConfig,
+        templates: &crate::protocol::PromptTemplates,
     ) -> Result<Episode, Error> {
-        use crate::protocol::{PromptTemplate, ProtocolConfig, format_documents};
+        use crate::protocol::{ProtocolConfig, format_documents};
         let one_turn = ProtocolConfig {
             max_turns: 1,
             ..protocol.clone()
         };
         match self {
-            EvalMode::Agent => {
-                Episode::for_question(&PromptTemplate::search_r1(), question, protocol.clone())
-            }
-            EvalMode::Direct => {
-                Episode::for_question(&PromptTemplate::direct(), question, one_turn)
-            }
+            EvalMode::Agent => Episode::for_question(&templates.agent, question, protocol.clone()),
+            EvalMode::Direct => Episode::for_question(&templates.direct, question, one_turn),
             EvalMode::Rag => {
                 let ps = rag_passages.ok_or_else(|| {
                     Error::Invalid("rag mode needs the passages retrieved for the question".into())
                 })?;
-                let prompt =
-                    PromptTemplate::rag().render_with_context(question, &format_documents(ps));
+                let prompt = templates
+                    .rag
+                    .render_with_context(question, &format_documents(ps));
                 Episode::new(prompt, one_turn)
             }
         }

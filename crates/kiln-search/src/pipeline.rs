@@ -28,7 +28,7 @@ use crate::agent::RetrieverBackend;
 use crate::data::{LoadOptions, QaExample, load_qa, resolve_dataset};
 use crate::eval::{EvalMode, QaRecord, write_report};
 use crate::grpo::{SearchTask, SearchTaskConfig, evaluate_examples};
-use crate::protocol::PromptTemplate;
+use crate::protocol::PromptTemplates;
 use crate::synthetic::{Split, World, WorldConfig, default_cache_root, load_or_generate};
 use crate::warmstart::{WarmStartConfig, warm_start};
 
@@ -44,7 +44,8 @@ pub struct SearchRecipe {
     /// The LLM judge of the process reward when `search.judge: llm` (HF folder, GGUF or zoo name; empty = the
     /// policy itself, same weights).
     pub judge_model: String,
-    /// Wrap the agent prompt in the tokenizer's chat template (instruct models).
+    /// Wrap every prompt (agent, direct and RAG baselines; in training, the warm start and every
+    /// evaluation) in the tokenizer's chat template as one user message (instruct models).
     pub chat_template: bool,
     /// Train LoRA adapters instead of every weight (absent = full fine-tuning): rank, alpha,
     /// dropout (keep 0 for GRPO: the ratio check compares re-scored and sampled log-probs) and
@@ -52,10 +53,13 @@ pub struct SearchRecipe {
     /// KL reference is the base model, and checkpoints hold base + adapters.
     pub lora: Option<kiln_lm::LoraConfig>,
     /// Where the warm-started policy lives (created when absent; shared by Search-R1 and Search-R2 runs).
+    /// With `pretrained:` it holds the cold-started weights (the tokenizer stays the pre-trained one's).
     pub init_dir: PathBuf,
     /// Architecture of the from-scratch policy (its `vocab_size` is set from the trained tokenizer).
     pub model: TransformerConfig,
-    /// Supervised warm start on scripted demonstrations (from-scratch policy only).
+    /// Supervised warm start on scripted demonstrations: trains the from-scratch policy, or, with
+    /// `pretrained:`, cold-starts the pre-trained one (with `lora:` adapters when given, merged into the
+    /// saved weights). `warm_start: {steps: 0}` with `pretrained:` starts GRPO from the model as it is.
     pub warm_start: WarmStartConfig,
     /// The synthetic multi-hop world (used when `train_data`, `eval_data` or `retriever` say `synthetic`).
     pub world: WorldConfig,
@@ -316,13 +320,13 @@ pub fn env(r: &SearchRecipe) -> Result<Env> {
     })
 }
 
-/// The agent prompt template (chat-wrapped when asked).
-fn agent_template(r: &SearchRecipe, tok: &Tokenizer) -> PromptTemplate {
-    let base = PromptTemplate::search_r1();
+/// The prompt templates of every role (chat-wrapped when the recipe asks for it).
+pub fn templates(r: &SearchRecipe, tok: &Tokenizer) -> PromptTemplates {
+    let plain = PromptTemplates::plain();
     if r.chat_template {
-        PromptTemplate(tok.apply_chat_template(&[kiln_lm::ChatMessage::user(base.0.clone())], true))
+        plain.map(|t| tok.apply_chat_template(&[kiln_lm::ChatMessage::user(t.to_string())], true))
     } else {
-        base
+        plain
     }
 }
 
@@ -357,8 +361,67 @@ pub fn load_policy(
     driver: &mut impl Driver,
 ) -> Result<(Transformer, Tokenizer)> {
     if !r.pretrained.is_empty() {
-        return kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
-            .with_context(|| format!("loading the pre-trained policy {}", r.pretrained));
+        let (model, tok) = kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
+            .with_context(|| format!("loading the pre-trained policy {}", r.pretrained))?;
+        if r.warm_start.steps == 0 {
+            return Ok((model, tok));
+        }
+        let dir = &r.init_dir;
+        let key = warm_start_key(r, env, seed);
+        if !dir.join("config.json").is_file() {
+            let world = env.world.as_ref().context(
+                "the cold start needs the synthetic world: set train_data: synthetic (or warm_start: {steps: 0})",
+            )?;
+            tracing::info!(
+                "cold start: supervised fine-tuning of {} ({}) on scripted demonstrations -> {}",
+                r.pretrained,
+                match &r.lora {
+                    Some(l) => format!("LoRA r={}", l.rank),
+                    None => "every weight".into(),
+                },
+                dir.display()
+            );
+            let pb = driver.progress_bar(r.warm_start.steps as u64);
+            pb.set_message("cold start");
+            let report = crate::warmstart::cold_start(
+                world,
+                &r.warm_start,
+                model,
+                &tok,
+                &templates(r, &tok),
+                r.lora.as_ref(),
+                &r.pretrained,
+                &r.search.batch.protocol,
+                &env.search,
+                dir,
+                seed,
+                |step, loss| {
+                    pb.set_message(format!("cold start loss {loss:.3}"));
+                    pb.inc(1);
+                    if step % 10 == 0 {
+                        tracing::info!("cold start step {step}: loss {loss:.3}");
+                    }
+                },
+            )
+            .map_err(PipelineError::msg)?;
+            pb.finish_and_clear();
+            tracing::info!(
+                "cold start done in {:.0}s: demonstrations {:?} ({:.0} tokens each), loss {:.3} -> {:.3}",
+                report.seconds,
+                report.examples,
+                report.mean_tokens,
+                report.loss_first,
+                report.loss_last
+            );
+            let key_path = dir.join("warm_start.key");
+            std::fs::write(&key_path, &key)
+                .with_context(|| format!("writing {}", key_path.display()))?;
+        } else {
+            check_key(dir, &key)?;
+        }
+        let model = kiln_lm::load_hf_dir(dir, device)
+            .with_context(|| format!("loading the cold-started policy of {}", dir.display()))?;
+        return Ok((model, tok));
     }
     let dir = &r.init_dir;
     let key_path = dir.join("warm_start.key");
@@ -405,20 +468,7 @@ pub fn load_policy(
         std::fs::write(&key_path, &key)
             .with_context(|| format!("writing {}", key_path.display()))?;
     } else {
-        match std::fs::read_to_string(&key_path) {
-            Ok(found) if found.trim() != key => {
-                return Err(PipelineError(format!(
-                    "{} was warm-started with other settings (world, warm_start, model, protocol or seed differ from \
-                     this recipe): delete that folder to warm-start again, or set `init_dir:` to a new folder",
-                    dir.display()
-                )));
-            }
-            Ok(_) => tracing::info!("using the warm-started policy in {}", dir.display()),
-            Err(_) => tracing::info!(
-                "using the policy in {} (not made by kiln's warm start: no warm_start.key)",
-                dir.display()
-            ),
-        }
+        check_key(dir, &key)?;
     }
     let tok = Tokenizer::from_hf_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
@@ -427,23 +477,83 @@ pub fn load_policy(
     Ok((model, tok))
 }
 
-/// What a warm start depends on (the world, its settings, the architecture, the protocol and the seed), as a
-/// stable hex digest: a warm-start folder made under other settings is never silently reused.
+/// Refuses a warm-start folder made under other settings than `key` (see [`warm_start_key`]).
+fn check_key(dir: &Path, key: &str) -> Result<()> {
+    match std::fs::read_to_string(dir.join("warm_start.key")) {
+        Ok(found) if found.trim() != key => Err(PipelineError(format!(
+            "{} was warm-started with other settings (world, warm_start, model, pretrained, lora, \
+             chat_template, protocol or seed differ from this recipe): delete that folder to warm-start again, \
+             or set `init_dir:` to a new folder",
+            dir.display()
+        ))),
+        Ok(_) => {
+            tracing::info!("using the warm-started policy in {}", dir.display());
+            Ok(())
+        }
+        Err(_) => {
+            tracing::info!(
+                "using the policy in {} (not made by kiln's warm start: no warm_start.key)",
+                dir.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+/// What a warm start depends on (the world, its settings, the architecture, the protocol and the seed;
+/// for a cold start the pre-trained model, LoRA and chat framing instead of the architecture), as a stable
+/// hex digest: a warm-start folder made under other settings is never silently reused.
 fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
     let world = env
         .world
         .as_ref()
         .map(|w| crate::synthetic::cache_key(&w.config))
         .unwrap_or_default();
-    let text = serde_json::to_string(&(
-        world,
-        &r.warm_start,
-        &r.model,
-        &r.search.batch.protocol,
-        seed,
-    ))
+    let text = if r.pretrained.is_empty() {
+        serde_json::to_string(&(
+            world,
+            &r.warm_start,
+            &r.model,
+            &r.search.batch.protocol,
+            seed,
+        ))
+    } else {
+        serde_json::to_string(&(
+            world,
+            &r.warm_start,
+            (&r.pretrained, &r.lora, r.chat_template),
+            &r.search.batch.protocol,
+            seed,
+        ))
+    }
     .unwrap_or_default();
     kiln_rl::digest::fnv1a_hex(text.as_bytes())
+}
+
+/// The policy's weights and tokenizer before GRPO: the warm start in `init_dir`, the pre-trained
+/// model, or its cold start in `init_dir` with the pre-trained tokenizer (see [`load_policy`], which
+/// creates what is missing; this only loads).
+fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, Tokenizer)> {
+    if r.pretrained.is_empty() {
+        let tok = Tokenizer::from_hf_dir(&r.init_dir)
+            .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
+        let model = kiln_lm::load_hf_dir(&r.init_dir, device)
+            .with_context(|| format!("loading {}", r.init_dir.display()))?;
+        Ok((model, tok))
+    } else if r.warm_start.steps == 0 {
+        kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device).map_err(PipelineError::msg)
+    } else {
+        let tok = kiln_lm::zoo::load_tokenizer(&r.pretrained)
+            .with_context(|| format!("loading the tokenizer of {}", r.pretrained))?;
+        let model = kiln_lm::load_hf_dir(&r.init_dir, device).with_context(|| {
+            format!(
+                "loading the cold start of {} from {}",
+                r.pretrained,
+                r.init_dir.display()
+            )
+        })?;
+        Ok((model, tok))
+    }
 }
 
 /// `kiln train` of a `search_r2` recipe on `device` with the run seed `seed`: the environment,
@@ -482,11 +592,10 @@ pub fn train(
             "off"
         }
     );
-    let template = agent_template(r, &tok);
     let mut task = SearchTask::new(
         r.search.clone(),
         tok.clone(),
-        template,
+        templates(r, &tok),
         env.search.clone(),
         env.train.clone(),
         env.dev.clone(),
@@ -537,21 +646,20 @@ pub fn eval_checkpoint(
     modes: &[EvalMode],
     resamples: usize,
 ) -> Result<Vec<QaRecord>> {
-    let (model, tok) = if r.pretrained.is_empty() {
-        let tok = Tokenizer::from_hf_dir(&r.init_dir)
-            .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
-        let model = kiln_lm::load_hf_dir(&r.init_dir, device)
-            .with_context(|| format!("loading {}", r.init_dir.display()))?;
-        (model, tok)
-    } else {
-        kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device).map_err(PipelineError::msg)?
-    };
+    let (model, tok) = start_policy(r, device)?;
     let model = with_lora(r, model, device, 0);
+    let templates = templates(r, &tok);
     let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
     let model = if mp.is_file() {
         model
             .try_load_file(&mp)
             .map_err(|e| PipelineError(format!("{}: cannot load the model: {e}", mp.display())))?
+    } else {
+        model
+    };
+    // Greedy evaluation needs no gradient: fold the adapters into the weights (faster generation).
+    let model = if model.has_lora() {
+        model.merge_lora()
     } else {
         model
     };
@@ -567,6 +675,7 @@ pub fn eval_checkpoint(
                 &model,
                 &tok,
                 &r.search,
+                &templates,
                 search,
                 name,
                 examples,

@@ -128,6 +128,61 @@ impl PromptTemplate {
     }
 }
 
+/// The prompts of every role the actor plays: the agent (Search-R1 protocol) and the two baselines of the
+/// evaluation table (direct answer, retrieve-once RAG). Training, the warm start and every evaluation take
+/// their prompts from one value, so an instruct model trained inside its chat template is evaluated inside it
+/// too ([`PromptTemplates::map`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptTemplates {
+    /// The agent prompt ([`PromptTemplate::search_r1`]).
+    pub agent: PromptTemplate,
+    /// The direct-answer baseline ([`PromptTemplate::direct`]).
+    pub direct: PromptTemplate,
+    /// The retrieve-once baseline ([`PromptTemplate::rag`], with `{context}`).
+    pub rag: PromptTemplate,
+}
+
+impl Default for PromptTemplates {
+    fn default() -> Self {
+        Self::plain()
+    }
+}
+
+impl PromptTemplates {
+    /// The bare templates (no chat framing).
+    pub fn plain() -> Self {
+        PromptTemplates {
+            agent: PromptTemplate::search_r1(),
+            direct: PromptTemplate::direct(),
+            rag: PromptTemplate::rag(),
+        }
+    }
+
+    /// Every template passed through `wrap` (e.g. a tokenizer's chat template around the user message; the
+    /// placeholders survive the wrapping, so questions and passages are inserted afterwards).
+    pub fn map(self, mut wrap: impl FnMut(&str) -> String) -> Self {
+        PromptTemplates {
+            agent: PromptTemplate(wrap(&self.agent.0)),
+            direct: PromptTemplate(wrap(&self.direct.0)),
+            rag: PromptTemplate(wrap(&self.rag.0)),
+        }
+    }
+
+    /// Checks every template (each needs `{question}`; the RAG one `{context}` too).
+    pub fn validate(&self) -> Result<(), Error> {
+        self.agent.validate()?;
+        self.direct.validate()?;
+        self.rag.validate()?;
+        if !self.rag.0.contains("{context}") {
+            return Err(Error::Invalid(format!(
+                "the RAG prompt template has no {{context}} placeholder: {:?}",
+                self.rag.0
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One retrieved passage (same fields as `kiln_retrieval::Passage`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Passage {

@@ -310,13 +310,15 @@ pub fn rollout_batch<R: Rng + ?Sized>(
     })
 }
 
-/// Answers `examples` in `mode` (greedy decoding is the policy's business) and scores them. In `rag` mode the
+/// Answers `examples` in `mode` with the mode's prompt from `templates` (greedy decoding is the policy's
+/// business) and scores them. In `rag` mode the
 /// questions are searched in one batched call first.
 pub fn evaluate(
     dataset: &str,
     examples: &[QaExample],
     mode: EvalMode,
     protocol: &ProtocolConfig,
+    templates: &crate::protocol::PromptTemplates,
     policy: &mut dyn TurnPolicy,
     search: &dyn SearchBackend,
 ) -> Result<(Vec<QaRecord>, RolloutStats), Error> {
@@ -349,7 +351,14 @@ pub fn evaluate(
     let mut eps = examples
         .iter()
         .enumerate()
-        .map(|(i, e)| mode.episode(&e.question, rag.as_ref().map(|r| r[i].as_slice()), protocol))
+        .map(|(i, e)| {
+            mode.episode(
+                &e.question,
+                rag.as_ref().map(|r| r[i].as_slice()),
+                protocol,
+                templates,
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     stats.add(&run_episodes(
         &mut eps,

@@ -34,7 +34,7 @@ use crate::Error;
 use crate::agent::{encode, encode_prompt, padded, tokenize_episode};
 use crate::protocol::{
     ANSWER_CLOSE, ANSWER_OPEN, DIRECT_TEMPLATE, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_OBSERVATION,
-    PromptTemplate, ProtocolConfig, RAG_TEMPLATE, SEARCH_CLOSE, SEARCH_OPEN, SEARCH_R1_TEMPLATE,
+    PromptTemplates, ProtocolConfig, RAG_TEMPLATE, SEARCH_CLOSE, SEARCH_OPEN, SEARCH_R1_TEMPLATE,
     THINK_CLOSE, THINK_OPEN, format_documents,
 };
 use crate::refiner::build_refiner_prompt;
@@ -116,6 +116,13 @@ pub struct WarmStartReport {
     pub parameters: usize,
     /// Wall time.
     pub seconds: f64,
+    /// Mean tokens per demonstration.
+    #[serde(default)]
+    pub mean_tokens: f64,
+    /// The pre-trained model a cold start fine-tuned (its tokenizer is the policy's); `None` for the
+    /// from-scratch warm start.
+    #[serde(default)]
+    pub base: Option<String>,
 }
 
 /// Special (added) tokens of the warm-start tokenizer: the protocol tags as single tokens, and an EOS.
@@ -234,6 +241,7 @@ pub fn build_examples(
     world: &World,
     cfg: &WarmStartConfig,
     tok: &Tokenizer,
+    templates: &PromptTemplates,
     protocol: &ProtocolConfig,
     search: &dyn SearchBackend,
     rng: &mut ChaCha8Rng,
@@ -243,14 +251,14 @@ pub fn build_examples(
     if cfg.max_questions > 0 {
         questions.truncate(cfg.max_questions);
     }
-    let template = PromptTemplate::search_r1();
-    let (demos, dropped) = build_demonstrations(&questions, &template, protocol, search)?;
+    let (demos, dropped) = build_demonstrations(&questions, &templates.agent, protocol, search)?;
     // (prompt, target, role) of the non-agent demonstrations, as text until the renaming below.
     let mut texts: Vec<(String, String, &'static str)> = Vec::new();
-    // Map demos back to their questions (same order as `questions` minus the dropped ones).
-    let by_question: std::collections::HashMap<&str, &SyntheticQuestion> = questions
+    // Map demos back to their questions by their rendered prompt (the template may wrap the question in a
+    // chat template, so the question is not simply the prompt's tail).
+    let by_prompt: std::collections::HashMap<String, &SyntheticQuestion> = questions
         .iter()
-        .map(|q| (q.example.question.as_str(), q))
+        .map(|q| (templates.agent.render(&q.example.question), q))
         .collect();
     let n_ref = (demos.len() as f64 * cfg.refiner_ratio).round() as usize;
     let all_answers: Vec<&str> = world
@@ -265,7 +273,7 @@ pub fn build_examples(
         .collect();
     let mut bad_searches = Vec::new();
     for (k, ep) in demos.iter().take(n_ref).enumerate() {
-        let Some(q) = by_question.get(question_of(&ep.trajectory.prompt)) else {
+        let Some(q) = by_prompt.get(&ep.trajectory.prompt) else {
             continue;
         };
         let t = ep.trajectory.steps.len();
@@ -326,20 +334,20 @@ pub fn build_examples(
     }
     // Baseline formats.
     let n_base = (demos.len() as f64 * cfg.baseline_ratio).round() as usize;
-    let direct = PromptTemplate::direct();
     for q in questions.iter().take(n_base) {
         let gold = gold_of(q);
-        let p = direct.render(&q.example.question);
+        let p = templates.direct.render(&q.example.question);
         texts.push((p, answer_turn(q, &gold), "direct"));
     }
     let rag_qs: Vec<&SyntheticQuestion> = questions.iter().rev().take(n_base).collect();
     let qs: Vec<String> = rag_qs.iter().map(|q| q.example.question.clone()).collect();
     let results = search.search_batch(&qs, protocol.top_k)?;
-    let rag = PromptTemplate::rag();
     for (q, mut ps) in rag_qs.into_iter().zip(results) {
         ps.truncate(protocol.top_k);
         let gold = gold_of(q);
-        let p = rag.render_with_context(&q.example.question, &format_documents(&ps));
+        let p = templates
+            .rag
+            .render_with_context(&q.example.question, &format_documents(&ps));
         texts.push((p, answer_turn(q, &gold), "rag"));
     }
     // Tokenize: once as generated, or `rename_copies` times, each copy under its own random renaming of the
@@ -390,15 +398,6 @@ pub fn build_examples(
     Ok((out, dropped))
 }
 
-/// The question of a Search-R1 prompt (the text after the last `Question: `, trimmed).
-fn question_of(prompt: &str) -> &str {
-    prompt
-        .rsplit("Question: ")
-        .next()
-        .unwrap_or_default()
-        .trim()
-}
-
 /// Mean masked negative log-likelihood of `batch` (differentiable when `model` is on an autodiff device).
 pub fn sft_loss(model: &Transformer, batch: &[&SftExample]) -> Tensor<1> {
     sft_losses(model, batch, 0.0).0
@@ -417,6 +416,43 @@ pub fn sft_losses(
     let rows: Vec<Vec<u32>> = batch.iter().map(|e| e.ids.clone()).collect();
     let (toks, mask, w) = padded(&rows, &device);
     let b = rows.len();
+    if context_weight <= 0.0 {
+        // Only the trained tokens need the output projection: score the span from each row's first to
+        // its last trained token (with a 49k vocabulary the head over the whole prompt is a large part of
+        // the step).
+        let spans: Vec<(usize, usize)> = batch
+            .iter()
+            .map(|e| {
+                let first = (1..e.ids.len()).find(|&p| e.mask[p] > 0.0).unwrap_or(1);
+                let last = (1..e.ids.len())
+                    .rev()
+                    .find(|&p| e.mask[p] > 0.0)
+                    .unwrap_or(first);
+                (first, last + 1 - first)
+            })
+            .collect();
+        let width = spans.iter().map(|s| s.1).max().unwrap_or(1).max(1);
+        let mut at = Vec::with_capacity(b * width);
+        let mut m = vec![0.0f32; b * width];
+        for (i, (e, &(first, len))) in batch.iter().zip(&spans).enumerate() {
+            for k in 0..width {
+                let p = first + k;
+                if k < len && p < e.ids.len() {
+                    at.push(p as i64);
+                    m[i * width + k] = e.mask[p];
+                } else {
+                    at.push(1);
+                }
+            }
+        }
+        let total: f32 = m.iter().sum::<f32>().max(1.0);
+        let at =
+            Tensor::<2, burn::tensor::Int>::from_data(TensorData::new(at, [b, width]), &device);
+        let (lp, _) = kiln_lm::score_tokens_at(model, toks, mask, at, 1.0);
+        let m = Tensor::<2>::from_data(TensorData::new(m, [b, width]), &device);
+        let policy = (lp * m).sum().neg().div_scalar(total);
+        return (policy.clone(), policy);
+    }
     let lp = score_tokens(model, toks, mask, 1.0); // [b, w-1]
     let mut m = vec![0.0f32; b * (w - 1)];
     let mut c = vec![0.0f32; b * (w - 1)];
@@ -429,9 +465,6 @@ pub fn sft_losses(
     let total: f32 = m.iter().sum::<f32>().max(1.0);
     let m = Tensor::<2>::from_data(TensorData::new(m, [b, w - 1]), &device);
     let policy = (lp.clone() * m).sum().neg().div_scalar(total);
-    if context_weight <= 0.0 {
-        return (policy.clone(), policy);
-    }
     let n_ctx: f32 = c.iter().sum::<f32>().max(1.0);
     let c = Tensor::<2>::from_data(TensorData::new(c, [b, w - 1]), &device);
     let context = (lp * c).sum().neg().div_scalar(n_ctx);
@@ -472,25 +505,95 @@ pub fn warm_start(
     dir: &Path,
     device: &Device,
     seed: u64,
-    mut on_step: impl FnMut(usize, f64),
+    on_step: impl FnMut(usize, f64),
 ) -> Result<WarmStartReport, Error> {
     let start = Instant::now();
+    check_steps(cfg)?;
+    let tmp = dir.with_extension("tmp");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let tok = train_tokenizer(world, cfg.vocab_size, &tmp)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (examples, dropped) = build_examples(
+        world,
+        cfg,
+        &tok,
+        &PromptTemplates::plain(),
+        protocol,
+        search,
+        &mut rng,
+    )?;
+    let examples = fitting(examples, model_cfg.max_position_embeddings)?;
+    let mut mc = model_cfg.clone();
+    mc.vocab_size = tok.vocab_size();
+    mc.eos_token_id = tok.token_to_id(EOS).map(kiln_lm::TokenIds::One);
+    mc.validate()
+        .map_err(|e| Error::Invalid(format!("model: {e}")))?;
+    device.seed(seed);
+    let model = mc.init(device);
+    let parameters = model.num_params();
+    let (model, losses) = supervised(model, &examples, cfg, &mut rng, on_step)?;
+    let report = report_of(&examples, dropped, &losses, parameters, start, None);
+    save_atomically(&model, &report, dir)?;
+    Ok(report)
+}
+
+/// The supervised cold start of a pre-trained policy (`model`, with its tokenizer `tok`): the same
+/// demonstrations as [`warm_start`] (every role, prompts from `templates`, e.g. inside the model's chat
+/// template), fine-tuned with `lora` adapters when given (merged before saving) or every weight, into `dir`
+/// (`config.json`, `model.safetensors`, `warm_start.json`; the tokenizer stays the base model's, named
+/// by `base` in the report). The entities of the synthetic world are fictional, so the model cannot answer
+/// from memory: it learns the protocol, when to search and to copy the answer from the passages.
+#[allow(clippy::too_many_arguments)]
+pub fn cold_start(
+    world: &World,
+    cfg: &WarmStartConfig,
+    model: Transformer,
+    tok: &Tokenizer,
+    templates: &PromptTemplates,
+    lora: Option<&kiln_lm::LoraConfig>,
+    base: &str,
+    protocol: &ProtocolConfig,
+    search: &dyn SearchBackend,
+    dir: &Path,
+    seed: u64,
+    on_step: impl FnMut(usize, f64),
+) -> Result<WarmStartReport, Error> {
+    let start = Instant::now();
+    check_steps(cfg)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (examples, dropped) =
+        build_examples(world, cfg, tok, templates, protocol, search, &mut rng)?;
+    let examples = fitting(examples, model.config().max_position_embeddings)?;
+    let parameters = model.num_params();
+    let model = match lora {
+        Some(l) => {
+            model.device().seed(seed ^ 0x10_4a);
+            model.with_lora(l)
+        }
+        None => model,
+    };
+    let (model, losses) = supervised(model, &examples, cfg, &mut rng, on_step)?;
+    let report = report_of(&examples, dropped, &losses, parameters, start, Some(base));
+    save_atomically(&model, &report, dir)?;
+    Ok(report)
+}
+
+fn check_steps(cfg: &WarmStartConfig) -> Result<(), Error> {
     if cfg.steps == 0 || cfg.batch_size == 0 {
         return Err(Error::Invalid(
             "warm_start.steps and warm_start.batch_size must be at least 1".into(),
         ));
     }
-    let tmp = dir.with_extension("tmp");
-    let _ = std::fs::remove_dir_all(&tmp);
-    let tok = train_tokenizer(world, cfg.vocab_size, &tmp)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let (examples, dropped) = build_examples(world, cfg, &tok, protocol, search, &mut rng)?;
+    Ok(())
+}
+
+/// The demonstrations that fit the model's window (and have something to predict).
+fn fitting(examples: Vec<SftExample>, window: usize) -> Result<Vec<SftExample>, Error> {
     if examples.is_empty() {
         return Err(Error::Invalid(
             "no warm-start demonstration could be built (does the retriever index the world's corpus?)".into(),
         ));
     }
-    let window = model_cfg.max_position_embeddings;
     let examples: Vec<SftExample> = examples
         .into_iter()
         .filter(|e| e.ids.len() <= window && e.ids.len() >= 2)
@@ -501,14 +604,19 @@ pub fn warm_start(
              model.max_position_embeddings"
         )));
     }
-    let mut mc = model_cfg.clone();
-    mc.vocab_size = tok.vocab_size();
-    mc.eos_token_id = tok.token_to_id(EOS).map(kiln_lm::TokenIds::One);
-    mc.validate()
-        .map_err(|e| Error::Invalid(format!("model: {e}")))?;
-    device.seed(seed);
-    let mut model = mc.init(device);
-    let parameters = model.num_params();
+    Ok(examples)
+}
+
+/// Supervised fine-tuning of `model` (on an autodiff device) on `examples` for `cfg.steps` steps of
+/// `cfg.batch_size`: AdamW, linear warmup over 10% of the steps, cosine to 10% of `cfg.lr`, gradient
+/// norm clipped at 1. Returns the model and the policy-token loss of every step.
+fn supervised(
+    mut model: Transformer,
+    examples: &[SftExample],
+    cfg: &WarmStartConfig,
+    rng: &mut ChaCha8Rng,
+    mut on_step: impl FnMut(usize, f64),
+) -> Result<(Transformer, Vec<f64>), Error> {
     let optim_cfg = kiln_rl::OptimConfig {
         lr: cfg.lr,
         warmup_ratio: 0.1,
@@ -525,7 +633,7 @@ pub fn warm_start(
     let mut queue: Vec<Vec<usize>> = Vec::new();
     for step in 0..cfg.steps {
         if queue.is_empty() {
-            queue = length_bucketed_batches(&examples, cfg.batch_size, &mut rng);
+            queue = length_bucketed_batches(examples, cfg.batch_size, rng);
         }
         let batch: Vec<&SftExample> = queue
             .pop()
@@ -550,26 +658,46 @@ pub fn warm_start(
         losses.push(v);
         on_step(step + 1, v);
     }
-    let k = (cfg.steps / 10).max(1);
+    Ok((model, losses))
+}
+
+fn report_of(
+    examples: &[SftExample],
+    dropped: usize,
+    losses: &[f64],
+    parameters: usize,
+    start: Instant,
+    base: Option<&str>,
+) -> WarmStartReport {
+    let k = (losses.len() / 10).max(1);
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
     let mut examples_by_role = std::collections::BTreeMap::new();
-    for e in &examples {
+    for e in examples {
         *examples_by_role.entry(e.role.to_string()).or_insert(0) += 1;
     }
-    let report = WarmStartReport {
+    let tokens = examples.iter().map(|e| e.ids.len()).sum::<usize>();
+    WarmStartReport {
         examples: examples_by_role,
         dropped,
-        loss_first: mean(&losses[..k]),
-        loss_last: mean(&losses[losses.len() - k..]),
+        loss_first: mean(&losses[..k.min(losses.len())]),
+        loss_last: mean(&losses[losses.len().saturating_sub(k)..]),
         parameters,
         seconds: start.elapsed().as_secs_f64(),
-    };
+        mean_tokens: tokens as f64 / examples.len().max(1) as f64,
+        base: base.map(str::to_string),
+    }
+}
+
+/// Writes the model (adapters merged) and the report into a temporary folder beside `dir`, then renames
+/// it into place: an interrupted warm start never leaves a half-written `dir` that would be reused.
+fn save_atomically(model: &Transformer, report: &WarmStartReport, dir: &Path) -> Result<(), Error> {
+    let tmp = dir.with_extension("tmp");
     kiln_lm::save_hf_dir(&model.valid(), &tmp)
         .map_err(|e| Error::Invalid(format!("saving the warm-start model: {e}")))?;
     let rp = tmp.join("warm_start.json");
     std::fs::write(
         &rp,
-        serde_json::to_string_pretty(&report).map_err(|e| Error::Invalid(e.to_string()))?,
+        serde_json::to_string_pretty(report).map_err(|e| Error::Invalid(e.to_string()))?,
     )
     .map_err(|e| Error::io(&rp, e))?;
     let _ = std::fs::remove_dir_all(dir);
@@ -577,5 +705,5 @@ pub fn warm_start(
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
     }
     std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
-    Ok(report)
+    Ok(())
 }

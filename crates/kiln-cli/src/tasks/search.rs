@@ -122,6 +122,26 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
             return Err(bad("model", format!("model: {e}")));
         }
     }
+    if !r.pretrained.is_empty() && r.warm_start.steps > 0 {
+        // The cold start of a pre-trained policy: demonstrations of the synthetic world.
+        if r.warm_start.batch_size == 0 {
+            return Err(bad(
+                "warm_start.batch_size",
+                "warm_start.batch_size must be at least 1".into(),
+            ));
+        }
+        if r.train_data != "synthetic" {
+            return Err(bad(
+                "warm_start",
+                format!(
+                    "the cold start of `pretrained: {}` (warm_start.steps = {}) trains on scripted demonstrations \
+                     of the synthetic world, but train_data is `{}`: set `warm_start: {{steps: 0}}` to start GRPO \
+                     from the model as it is, or train_data: synthetic",
+                    r.pretrained, r.warm_start.steps, r.train_data
+                ),
+            ));
+        }
+    }
     r.world
         .validate()
         .map_err(|e| bad("world", e.to_string()))?;

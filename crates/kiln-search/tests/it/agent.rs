@@ -17,7 +17,9 @@ use kiln_search::agent::{
     LmActor, LmRefiner, RetrieverBackend, context_ids, continuation_logprobs, tokenize_episode,
 };
 use kiln_search::grpo::{SearchTask, SearchTaskConfig};
-use kiln_search::protocol::{Episode, PromptTemplate, ProtocolConfig, SegmentKind};
+use kiln_search::protocol::{
+    Episode, PromptTemplate, PromptTemplates, ProtocolConfig, SegmentKind,
+};
 use kiln_search::rollout::{OnSearchError, run_episodes};
 use kiln_search::synthetic::{Split, SplitConfig, World, WorldConfig, generate};
 use kiln_search::task::{RefinerRequest, RefinerScorer};
@@ -136,7 +138,7 @@ fn rescoring_reproduces_sampling_logprobs_and_masks_observations() {
     let mut task = SearchTask::new(
         cfg,
         f.tok.clone(),
-        PromptTemplate::search_r1(),
+        PromptTemplates::plain(),
         f.search.clone(),
         f.world.examples(Split::Train),
         f.world.examples(Split::Dev),
@@ -264,7 +266,7 @@ fn failing_retriever_ends_episodes_but_the_step_goes_on() {
     let mut task = SearchTask::new(
         cfg,
         f.tok.clone(),
-        PromptTemplate::search_r1(),
+        PromptTemplates::plain(),
         RetrieverBackend(Arc::new(Broken)),
         f.world.examples(Split::Train),
         vec![],
@@ -350,6 +352,107 @@ fn warm_start_learns_and_saves_a_loadable_model() {
     let m = kiln_lm::load_hf_dir(&out, &Device::flex()).unwrap();
     assert_eq!(m.config().vocab_size, tok.vocab_size());
     assert!(out.join("warm_start.json").is_file());
+}
+
+/// The cold start of a "pre-trained" model (here a random tiny one with the fixture's tokenizer): the
+/// demonstrations use the given (wrapped) templates for every role, the refiner's demonstrations are still
+/// built (their questions are found although the prompt no longer ends with the question: the old
+/// tail-of-prompt lookup found none), LoRA SFT lowers the loss, and the saved folder holds the merged
+/// weights (no adapters, changed from the base) and a report naming the base.
+#[test]
+fn cold_start_uses_the_given_templates_and_saves_merged_weights() {
+    use kiln_search::warmstart::{build_examples, cold_start};
+    let f = fixture();
+    let wrapped =
+        PromptTemplates::plain().map(|t| format!("<<user>>\n{t}<<end>>\n<<assistant>>\n"));
+    let cfg = WarmStartConfig {
+        steps: 30,
+        batch_size: 4,
+        lr: 1e-2,
+        max_questions: 40,
+        ..WarmStartConfig::default()
+    };
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
+    let (examples, _) = build_examples(
+        &f.world,
+        &cfg,
+        &f.tok,
+        &wrapped,
+        &ProtocolConfig::default(),
+        &f.search,
+        &mut rng,
+    )
+    .unwrap();
+    let count = |role: &str| examples.iter().filter(|e| e.role == role).count();
+    assert!(
+        count("agent") >= 30 && count("refiner") >= 10,
+        "{}",
+        count("refiner")
+    );
+    assert!(count("direct") >= 3 && count("rag") >= 3);
+    for e in examples.iter().filter(|e| e.role != "refiner") {
+        let text = f.tok.decode(&e.ids, false).unwrap();
+        assert!(text.starts_with("<<user>>"), "{}: {text}", e.role);
+        assert!(text.contains("<<assistant>>"), "{}: {text}", e.role);
+    }
+    let device = Device::flex().autodiff();
+    device.seed(1);
+    let base = TransformerConfig {
+        vocab_size: f.tok.vocab_size(),
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(2),
+        max_position_embeddings: 1024,
+        initializer_range: 0.5,
+        ..Default::default()
+    }
+    .init(&device);
+    let before = burn::module::Module::valid(&base);
+    let lora = kiln_lm::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cold");
+    let report = cold_start(
+        &f.world,
+        &cfg,
+        base,
+        &f.tok,
+        &wrapped,
+        Some(&lora),
+        "tiny-base",
+        &ProtocolConfig::default(),
+        &f.search,
+        &out,
+        0,
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(report.base.as_deref(), Some("tiny-base"));
+    assert!(report.mean_tokens > 20.0, "{}", report.mean_tokens);
+    assert!(
+        report.loss_last < report.loss_first - 0.2,
+        "loss {} -> {}",
+        report.loss_first,
+        report.loss_last
+    );
+    let saved = kiln_lm::load_hf_dir(&out, &Device::flex()).unwrap();
+    assert!(!saved.has_lora());
+    assert!(!out.join("tokenizer.json").exists());
+    // The adapters were trained and merged: the saved logits differ from the base's.
+    let x = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(vec![1i64, 5, 9, 13], [1, 4]),
+        &Device::flex(),
+    );
+    let d = (saved.forward(x.clone()) - before.forward(x))
+        .abs()
+        .max()
+        .into_scalar::<f32>();
+    assert!(d > 1e-3, "merged weights equal the base: {d}");
 }
 
 #[test]
@@ -440,7 +543,7 @@ fn task_from(f: &Fixture, cfg: SearchTaskConfig, seed: u64) -> SearchTask {
     SearchTask::new(
         cfg,
         f.tok.clone(),
-        PromptTemplate::search_r1(),
+        PromptTemplates::plain(),
         f.search.clone(),
         f.world.examples(Split::Train),
         f.world.examples(Split::Dev),
@@ -732,7 +835,7 @@ fn dynamic_sampling_draws_up_to_its_budget_and_logs_the_draw() {
     let e = SearchTask::new(
         cfg,
         f.tok.clone(),
-        PromptTemplate::search_r1(),
+        PromptTemplates::plain(),
         f.search.clone(),
         f.world.examples(Split::Train),
         f.world.examples(Split::Dev),

@@ -3,7 +3,7 @@
 use kiln_search::Error;
 use kiln_search::data::QaExample;
 use kiln_search::eval::{QaRecord, write_report};
-use kiln_search::protocol::{Episode, Passage, PromptTemplate, ProtocolConfig};
+use kiln_search::protocol::{Episode, Passage, PromptTemplate, PromptTemplates, ProtocolConfig};
 use kiln_search::rollout::{OnSearchError, ScriptedPolicy, run_episodes};
 
 fn search(qs: &[String], _k: usize) -> Result<Vec<Vec<Passage>>, Error> {
@@ -111,7 +111,9 @@ fn baseline_modes_build_one_turn_episodes() {
     use kiln_search::protocol::{EndReason, Generated, Pending};
     let cfg = ProtocolConfig::default();
     let ps = search(&["capital".to_string()], 3).unwrap().remove(0);
-    let mut rag = EvalMode::Rag.episode("Q?", Some(&ps), &cfg).unwrap();
+    let mut rag = EvalMode::Rag
+        .episode("Q?", Some(&ps), &cfg, &PromptTemplates::plain())
+        .unwrap();
     assert!(
         rag.trajectory
             .prompt
@@ -127,14 +129,22 @@ fn baseline_modes_build_one_turn_episodes() {
     rag.push_generation(Generated::text("<search>more</search>"))
         .unwrap();
     assert_eq!(rag.end_reason(), Some(&EndReason::SearchOnLastTurn));
-    assert!(EvalMode::Rag.episode("Q?", None, &cfg).is_err());
-    let mut direct = EvalMode::Direct.episode("Q?", None, &cfg).unwrap();
+    assert!(
+        EvalMode::Rag
+            .episode("Q?", None, &cfg, &PromptTemplates::plain())
+            .is_err()
+    );
+    let mut direct = EvalMode::Direct
+        .episode("Q?", None, &cfg, &PromptTemplates::plain())
+        .unwrap();
     assert!(!direct.trajectory.prompt.contains("<search>"));
     direct
         .push_generation(Generated::text("<answer>x</answer>"))
         .unwrap();
     assert_eq!(direct.end_reason(), Some(&EndReason::Answered));
-    let agent = EvalMode::Agent.episode("Q?", None, &cfg).unwrap();
+    let agent = EvalMode::Agent
+        .episode("Q?", None, &cfg, &PromptTemplates::plain())
+        .unwrap();
     assert_eq!(agent.config.max_turns, 4);
     assert_eq!("rag".parse::<EvalMode>().unwrap(), EvalMode::Rag);
     assert!("other".parse::<EvalMode>().is_err());

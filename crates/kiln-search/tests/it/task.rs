@@ -3,7 +3,7 @@
 use kiln_search::Error;
 use kiln_search::data::QaExample;
 use kiln_search::eval::EvalMode;
-use kiln_search::protocol::{Generated, Passage, PromptTemplate, ProtocolConfig};
+use kiln_search::protocol::{Generated, Passage, PromptTemplate, PromptTemplates, ProtocolConfig};
 use kiln_search::refiner::RefinerConfig;
 use kiln_search::reward::{DeterministicJudge, RewardConfig};
 use kiln_search::rollout::{FnPolicy, TurnRequest};
@@ -203,19 +203,46 @@ fn evaluation_modes() {
             Generated::text("<answer>none</answer>")
         }
     });
-    let (direct, _) = evaluate("toy", &qs, EvalMode::Direct, &cfg, &mut reader, &search).unwrap();
+    let (direct, _) = evaluate(
+        "toy",
+        &qs,
+        EvalMode::Direct,
+        &cfg,
+        &PromptTemplates::plain(),
+        &mut reader,
+        &search,
+    )
+    .unwrap();
     assert!(
         direct
             .iter()
             .all(|r| r.em == 0.0 && r.searches == 0 && !r.answer_in_passages)
     );
-    let (rag, st) = evaluate("toy", &qs, EvalMode::Rag, &cfg, &mut reader, &search).unwrap();
+    let (rag, st) = evaluate(
+        "toy",
+        &qs,
+        EvalMode::Rag,
+        &cfg,
+        &PromptTemplates::plain(),
+        &mut reader,
+        &search,
+    )
+    .unwrap();
     assert!(
         rag.iter()
             .all(|r| r.em == 1.0 && r.searches == 0 && r.answer_in_passages)
     );
     assert_eq!(st.search_calls, 1);
-    let (agent, st) = evaluate("toy", &qs, EvalMode::Agent, &cfg, &mut reader, &search).unwrap();
+    let (agent, st) = evaluate(
+        "toy",
+        &qs,
+        EvalMode::Agent,
+        &cfg,
+        &PromptTemplates::plain(),
+        &mut reader,
+        &search,
+    )
+    .unwrap();
     assert!(
         agent
             .iter()
