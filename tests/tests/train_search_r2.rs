@@ -336,6 +336,34 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
     assert_eq!(rows.len(), 2);
     assert!(rows[0].contains_key("reward/total"), "{:?}", rows[0].keys());
     assert!(run.join("eval/qa-step-2/report.md").is_file());
+    // Checkpoints hold the adapters only, and name their base (the warm start, by digest).
+    let ckpt = run.join("checkpoints/step-2");
+    let adapters = std::fs::metadata(ckpt.join("model.bpk")).unwrap().len();
+    let base = std::fs::metadata(p.path().join("runs/search/warm-start/model.safetensors"))
+        .unwrap()
+        .len();
+    assert!(
+        adapters * 4 < base,
+        "adapters {adapters} vs base {base} bytes"
+    );
+    let state = std::fs::read_to_string(ckpt.join("state.json")).unwrap();
+    assert!(
+        state.contains("the warm start (model.safetensors:"),
+        "{state}"
+    );
+    // A resumed run rebuilds the base, loads the adapters over it and goes on.
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--set",
+            "trainer.steps=3",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(read_metrics(&run.join("metrics.jsonl")).len(), 3);
     let out = run_kiln(
         p.path(),
         &[
@@ -352,6 +380,26 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
         ],
     );
     assert!(out.status.success(), "{}", text(&out));
+    // Adapters are never loaded over another base (here: other LoRA settings; last, as a failed
+    // resume leaves its overrides in the run's recipe.yaml).
+    let out = run_kiln(
+        p.path(),
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--set",
+            "trainer.steps=4",
+            "--set",
+            "lora.alpha=16",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("holds part of the policy"),
+        "{}",
+        text(&out)
+    );
     // A bad LoRA setting is a located recipe error.
     let out = run_kiln(
         p.path(),

@@ -99,6 +99,64 @@ pub struct TrainerState {
     pub nonfinite_streak: u32,
     /// kiln version that wrote the checkpoint.
     pub kiln_version: String,
+    /// When the model file holds only part of the policy ([`PolicySubset`]): what the rest is (e.g.
+    /// the base model of LoRA adapters). `None`: every parameter is in the file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_subset: Option<String>,
+}
+
+/// A checkpoint that stores part of the policy: the parameters `group` matches (e.g. LoRA
+/// adapters), the rest being `rest` (e.g. "the base model X, sha256 ..."), which the task rebuilds
+/// before a checkpoint is loaded. A checkpoint is only loaded over a policy whose `rest` is the
+/// same ([`load_model`]), so adapters never land on another base.
+#[derive(Debug, Clone)]
+pub struct PolicySubset {
+    /// The stored parameters.
+    pub group: burn::module::ParamGroup,
+    /// What the parameters outside `group` are (compared on load).
+    pub rest: String,
+}
+
+/// Writes `model` to `path`: every parameter, or only `subset.group`'s.
+pub fn save_model<M: burn::module::Module>(
+    model: M,
+    path: &Path,
+    subset: Option<&PolicySubset>,
+) -> Result<(), TrainError> {
+    match subset {
+        Some(s) => model.into_record_group(s.group.clone()).save(path),
+        None => model.save_file(path),
+    }
+    .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))
+}
+
+/// Loads the model file `path` over `model`. `stored` is what the checkpoint says the parameters
+/// outside the file are ([`TrainerState::policy_subset`]; `None` = the file is complete), `current`
+/// what they are in `model`: a partial file loads only over the same rest (missing parameters
+/// keep `model`'s values), a complete file loads over anything with the same parameters.
+pub fn load_model<M: burn::module::Module>(
+    model: M,
+    path: &Path,
+    stored: Option<&str>,
+    current: Option<&str>,
+) -> Result<M, TrainError> {
+    let err = |e: String| TrainError::Checkpoint(format!("{}: {e}", path.display()));
+    let record = burn::store::ModuleRecord::load(path).map_err(|e| err(e.to_string()))?;
+    let record = match (stored, current) {
+        (None, _) => record,
+        (Some(s), Some(c)) if s == c => record.allow_partial(true),
+        (Some(s), c) => {
+            return Err(err(format!(
+                "this checkpoint holds part of the policy; the rest must be {s}, but the policy it \
+                 would load over is {}: rebuild that policy (the recipe's pretrained model, init_dir and \
+                 lora settings) or start a new run",
+                c.unwrap_or("a complete model")
+            )));
+        }
+    };
+    model
+        .try_load_record(record)
+        .map_err(|e| err(e.to_string()))
 }
 
 /// One file of a [`Manifest`].
@@ -494,6 +552,64 @@ mod tests {
     use super::*;
     use rand::{RngCore, SeedableRng};
 
+    #[derive(burn::module::Module, Debug)]
+    struct TwoPart {
+        base: burn::nn::Linear,
+        head_lora: burn::nn::Linear,
+    }
+
+    fn two_part(seed: u64) -> TwoPart {
+        let device = burn::tensor::Device::flex();
+        device.seed(seed);
+        TwoPart {
+            base: burn::nn::LinearConfig::new(4, 3).init(&device),
+            head_lora: burn::nn::LinearConfig::new(3, 2).init(&device),
+        }
+    }
+
+    fn values(l: &burn::nn::Linear) -> Vec<f32> {
+        l.weight.val().into_data().to_vec::<f32>().unwrap()
+    }
+
+    /// A subset checkpoint stores only its group, loads over a freshly built module (new
+    /// parameter ids) with the same `rest`, keeps the module's own values elsewhere, and refuses
+    /// another or no rest; a complete file loads every parameter.
+    #[test]
+    fn subset_checkpoints_store_their_group_and_load_only_over_the_same_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let subset = PolicySubset {
+            group: burn::module::ParamGroup::from_predicate("_lora"),
+            rest: "base X".into(),
+        };
+        let saved = two_part(1);
+        let (saved_base, saved_head) = (values(&saved.base), values(&saved.head_lora));
+        let part = dir.path().join("part.bpk");
+        save_model(saved.clone(), &part, Some(&subset)).unwrap();
+        let full = dir.path().join("full.bpk");
+        save_model(saved, &full, None).unwrap();
+        assert!(
+            std::fs::metadata(&part).unwrap().len() < std::fs::metadata(&full).unwrap().len() / 2,
+            "the subset file holds the small group only"
+        );
+        let fresh = two_part(2);
+        let fresh_base = values(&fresh.base);
+        assert_ne!(fresh_base, saved_base);
+        let loaded = load_model(fresh.clone(), &part, Some("base X"), Some("base X")).unwrap();
+        assert_eq!(values(&loaded.head_lora), saved_head);
+        assert_eq!(values(&loaded.base), fresh_base);
+        for current in [Some("base Y"), None] {
+            let e = load_model(fresh.clone(), &part, Some("base X"), current)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("base X") && e.contains("part.bpk"), "{e}");
+        }
+        // A subset file read as a complete one is refused (parameters missing).
+        assert!(load_model(fresh.clone(), &part, None, None).is_err());
+        let loaded = load_model(fresh, &full, None, Some("base X")).unwrap();
+        assert_eq!(values(&loaded.base), saved_base);
+        assert_eq!(values(&loaded.head_lora), saved_head);
+    }
+
     fn state(step: u64) -> TrainerState {
         TrainerState {
             step,
@@ -501,6 +617,7 @@ mod tests {
             task: serde_json::json!({"cursor": step}),
             nonfinite_streak: 0,
             kiln_version: "t".into(),
+            policy_subset: None,
         }
     }
 

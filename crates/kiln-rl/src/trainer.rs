@@ -226,6 +226,13 @@ pub trait RlTask {
     fn load_state(&mut self, _state: &serde_json::Value) -> Result<(), TaskError> {
         Ok(())
     }
+
+    /// The part of the policy checkpoints store when not all of it: LoRA adapters over a frozen
+    /// base the task rebuilds from its recipe (a few MB per checkpoint instead of the whole
+    /// model). `None` (default): every parameter.
+    fn checkpoint_subset(&self) -> Option<crate::checkpoint::PolicySubset> {
+        None
+    }
 }
 
 /// Receives one metrics row per step (kiln-track's tracker implements this in the CLI).
@@ -369,9 +376,7 @@ impl<T: RlTask> Trainer<T> {
         std::fs::create_dir_all(self.ckpt.dir())
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", self.ckpt.dir().display())))?;
         let tmp = self.ckpt.dir().join(".tmp-reference.bpk");
-        r.clone()
-            .save_file(&tmp)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+        crate::checkpoint::save_model(r.clone(), &tmp, self.task.checkpoint_subset().as_ref())?;
         let (bytes, sha) = file_digest(&tmp)
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", tmp.display())))?;
         let d = self.reference_digest_path();
@@ -426,11 +431,14 @@ impl<T: RlTask> Trainer<T> {
     /// trainer's state with it.
     fn restore_from(&mut self, dir: &Path, state: TrainerState) -> Result<(), TrainError> {
         let model_path = dir.join(MODEL_FILE);
-        let model = self
-            .model
-            .clone()
-            .try_load_file(&model_path)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", model_path.display())))?;
+        let current = self.task.checkpoint_subset().map(|s| s.rest);
+        let stored = state.policy_subset.as_deref();
+        let model = crate::checkpoint::load_model(
+            self.model.clone(),
+            &model_path,
+            stored,
+            current.as_deref(),
+        )?;
         let optim_path = dir.join(OPTIM_FILE);
         let optim = self
             .opts
@@ -440,12 +448,13 @@ impl<T: RlTask> Trainer<T> {
             .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", optim_path.display())))?;
         let reference = if self.reference.is_some() && self.reference_path().exists() {
             let p = self.reference_path();
-            Some(
-                model
-                    .valid()
-                    .try_load_file(&p)
-                    .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", p.display())))?,
-            )
+            // The reference was written like the checkpoints (complete, or the same subset).
+            Some(crate::checkpoint::load_model(
+                self.model.valid(),
+                &p,
+                stored,
+                current.as_deref(),
+            )?)
         } else {
             self.reference.clone()
         };
@@ -504,14 +513,18 @@ impl<T: RlTask> Trainer<T> {
             task: self.task.state(),
             nonfinite_streak: self.nonfinite_streak,
             kiln_version: env!("CARGO_PKG_VERSION").to_string(),
+            policy_subset: None,
+        };
+        let subset = self.task.checkpoint_subset();
+        let state = TrainerState {
+            policy_subset: subset.as_ref().map(|s| s.rest.clone()),
+            ..state
         };
         let model = self.model.clone();
         let optim = &self.optim;
         self.ckpt.save(&state, |dir| {
             let mp = dir.join(MODEL_FILE);
-            model
-                .save_file(&mp)
-                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", mp.display())))?;
+            crate::checkpoint::save_model(model, &mp, subset.as_ref())?;
             let op = dir.join(OPTIM_FILE);
             optim
                 .save(&op)

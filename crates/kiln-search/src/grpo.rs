@@ -174,6 +174,7 @@ pub struct SearchTask {
     eval: Vec<QaExample>,
     sampler: EpochSampler,
     judge_model: Option<(Transformer, Tokenizer)>,
+    lora_base: Option<String>,
 }
 
 /// Epoch-shuffle constant of the training questions' [`EpochSampler`].
@@ -218,7 +219,16 @@ impl SearchTask {
             train,
             eval,
             judge_model: None,
+            lora_base: None,
         })
+    }
+
+    /// The policy is LoRA adapters over the frozen base `base` (a description naming the base
+    /// model and its weights' digest): checkpoints then store the adapters only, and load only
+    /// over the same base ([`kiln_rl::checkpoint::PolicySubset`]).
+    pub fn with_lora_base(mut self, base: String) -> Self {
+        self.lora_base = Some(base);
+        self
     }
 
     /// Uses `model` as the LLM judge (with `judge: llm`) instead of the policy itself.
@@ -683,6 +693,20 @@ impl RlTask for SearchTask {
     fn load_state(&mut self, state: &serde_json::Value) -> Result<(), TaskError> {
         Ok(self.sampler.load_json(state)?)
     }
+
+    fn checkpoint_subset(&self) -> Option<kiln_rl::checkpoint::PolicySubset> {
+        self.lora_base
+            .as_ref()
+            .map(|base| kiln_rl::checkpoint::PolicySubset {
+                group: lora_params(),
+                rest: base.clone(),
+            })
+    }
+}
+
+/// The LoRA adapter parameters of a [`Transformer`] (the `*_lora` fields of its projections).
+pub fn lora_params() -> burn::module::ParamGroup {
+    burn::module::ParamGroup::from_predicate("_lora")
 }
 
 #[cfg(test)]

@@ -530,6 +530,49 @@ fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
     kiln_rl::digest::fnv1a_hex(text.as_bytes())
 }
 
+/// With `lora:`, what the frozen base of the adapters is: the model it was loaded from (the warm or
+/// cold start in `init_dir`, or the pre-trained file) with the SHA-256 of its weights, and the LoRA
+/// settings. Adapter-only checkpoints record it and load only over the same base.
+fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
+    let Some(l) = &r.lora else {
+        return Ok(None);
+    };
+    let weights = if r.pretrained.is_empty() || r.warm_start.steps > 0 {
+        r.init_dir.join("model.safetensors")
+    } else {
+        match kiln_lm::zoo::resolve(&r.pretrained).map_err(PipelineError::msg)? {
+            // One file stands for the folder: the weights, or the shard index of a sharded one.
+            kiln_lm::zoo::ModelSource::HfDir(d) => {
+                ["model.safetensors", "model.safetensors.index.json"]
+                    .iter()
+                    .map(|f| d.join(f))
+                    .find(|p| p.is_file())
+                    .unwrap_or_else(|| d.join("config.json"))
+            }
+            kiln_lm::zoo::ModelSource::Gguf(f) => f,
+        }
+    };
+    let (bytes, sha) = kiln_rl::checkpoint::file_digest(&weights)
+        .with_context(|| format!("hashing the LoRA base {}", weights.display()))?;
+    let name = if r.pretrained.is_empty() {
+        "the warm start".to_string()
+    } else if r.warm_start.steps > 0 {
+        format!("the cold start of {}", r.pretrained)
+    } else {
+        r.pretrained.clone()
+    };
+    let file = weights
+        .file_name()
+        .map(|f| f.to_string_lossy().to_string())
+        .unwrap_or_default();
+    Ok(Some(format!(
+        "{name} ({file}: {bytes} bytes, sha256 {sha}) + LoRA r={} alpha={} on {}",
+        l.rank,
+        l.alpha,
+        l.target_modules.join(",")
+    )))
+}
+
 /// The policy's weights and tokenizer before GRPO: the warm start in `init_dir`, the pre-trained
 /// model, or its cold start in `init_dir` with the pre-trained tokenizer (see [`load_policy`], which
 /// creates what is missing; this only loads).
@@ -602,6 +645,9 @@ pub fn train(
         seed,
     )
     .map_err(PipelineError::msg)?;
+    if let Some(base) = lora_base(r)? {
+        task = task.with_lora_base(base);
+    }
     if !r.judge_model.is_empty() {
         let (jm, jt) = kiln_lm::zoo::load_with_tokenizer(&r.judge_model, device)
             .with_context(|| format!("loading the judge model {}", r.judge_model))?;
@@ -651,9 +697,16 @@ pub fn eval_checkpoint(
     let templates = templates(r, &tok);
     let mp = ckpt.join(kiln_rl::checkpoint::MODEL_FILE);
     let model = if mp.is_file() {
-        model
-            .try_load_file(&mp)
-            .map_err(|e| PipelineError(format!("{}: cannot load the model: {e}", mp.display())))?
+        let stored = kiln_rl::checkpoint::CheckpointManager::read_state(ckpt)
+            .ok()
+            .and_then(|s| s.policy_subset);
+        let current = if stored.is_some() {
+            lora_base(r)?
+        } else {
+            None
+        };
+        kiln_rl::checkpoint::load_model(model, &mp, stored.as_deref(), current.as_deref())
+            .map_err(|e| PipelineError(format!("cannot load the model: {e}")))?
     } else {
         model
     };
