@@ -568,7 +568,7 @@ mod tests {
     }
 
     fn values(l: &burn::nn::Linear) -> Vec<f32> {
-        l.weight.val().into_data().to_vec::<f32>().unwrap()
+        l.weight.val().into_data().try_to_vec::<f32>().unwrap()
     }
 
     /// A subset checkpoint stores only its group, loads over a freshly built module (new
