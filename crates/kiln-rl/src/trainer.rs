@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -74,6 +74,12 @@ pub struct TrainerConfig {
     /// as much under the placebo as in a real run, the movement is optimiser noise, not learning.
     /// Logged metrics (`reward/...`) stay the true rewards. Default false.
     pub placebo_rewards: bool,
+    /// Trajectories per forward/backward pass inside a minibatch (0 = the whole minibatch at once):
+    /// the gradients of the pieces are summed, each piece's loss weighted by its share of the
+    /// minibatch (its actions for `token_mean`, its trajectories otherwise), so the update is the
+    /// minibatch's own, with the memory of one piece. For large models, whose activations for a
+    /// whole minibatch do not fit (SmolLM2: 20 trajectories of ~700 tokens need > 23 GB).
+    pub micro_batch_size: usize,
 }
 
 impl Default for TrainerConfig {
@@ -91,6 +97,7 @@ impl Default for TrainerConfig {
             skip_uniform_groups: false,
             ratio_tolerance: 1e-3,
             placebo_rewards: false,
+            micro_batch_size: 0,
         }
     }
 }
@@ -720,51 +727,96 @@ impl<T: RlTask> Trainer<T> {
             }
             for idx in order.chunks(mb) {
                 let b = idx.len();
-                let scored = self.task.score(&self.model, &rollout.data, idx);
-                let mut own_old = None;
-                if std::mem::take(&mut first_minibatch) {
-                    let new = to_host(scored.logp.clone().detach());
-                    let rows: Vec<usize> = (0..b).collect();
-                    let mask = Self::gather_rows(&rollout.action_mask, t, idx);
-                    if single_pass {
-                        // The minibatch is the whole batch: its log-probs against the sampled
-                        // ones (the ratio at the start of the update).
-                        if let Some(sampled) = &rollout.sampled_logp {
-                            let s = Self::gather_rows(sampled, t, idx);
-                            let d = max_masked_diff(&new, &s, &mask, t, &rows);
-                            m.insert("ratio/max_abs_logp_diff".into(), d);
-                            self.check_ratio(d, "sampling")?;
-                        }
-                        own_old = Some(new);
-                    } else {
-                        // Same weights as the snapshot that scored `old_logp`: any difference
-                        // is non-deterministic scoring (dropout, a stateful task).
-                        let old = Self::gather_rows(&old_logp, t, idx);
-                        let d = max_masked_diff(&new, &old, &mask, t, &rows);
-                        m.insert("ratio/first_minibatch_max_abs_diff".into(), d);
-                        self.check_ratio(d, "the rollout snapshot")?;
-                    }
-                }
-                let old = own_old.unwrap_or_else(|| Self::gather_rows(&old_logp, t, idx));
-                let inputs = LossInputs {
-                    logp: scored.logp,
-                    old_logp: self.tensor(old, b, t),
-                    ref_logp: ref_logp
-                        .as_ref()
-                        .map(|r| self.tensor(Self::gather_rows(r, t, idx), b, t)),
-                    advantages: self.tensor(Self::gather_rows(&adv, t, idx), b, t),
-                    mask: self.tensor(Self::gather_rows(&rollout.action_mask, t, idx), b, t),
-                    entropy: scored.entropy,
+                let micro = match self.opts.trainer.micro_batch_size {
+                    0 => b,
+                    k => k.min(b),
                 };
-                let out = policy_loss(inputs, alg);
-                let loss_v = out.loss.clone().into_scalar::<f32>() as f64;
-                if !loss_v.is_finite() {
+                // Each piece's share of the minibatch's loss (see `TrainerConfig::micro_batch_size`).
+                let actions = |rows: &[usize]| -> f64 {
+                    rows.iter()
+                        .map(|&i| {
+                            rollout.action_mask[i * t..(i + 1) * t]
+                                .iter()
+                                .map(|&v| v as f64)
+                                .sum::<f64>()
+                        })
+                        .sum()
+                };
+                let total_actions = actions(idx).max(1.0);
+                let check = std::mem::take(&mut first_minibatch);
+                let mut accum = GradientsAccumulator::<T::Policy>::new();
+                let mut pieces = Vec::new();
+                let mut bad = None;
+                for piece in idx.chunks(micro) {
+                    let pb = piece.len();
+                    let scored = self.task.score(&self.model, &rollout.data, piece);
+                    let mut own_old = None;
+                    if check {
+                        let new = to_host(scored.logp.clone().detach());
+                        let rows: Vec<usize> = (0..pb).collect();
+                        let mask = Self::gather_rows(&rollout.action_mask, t, piece);
+                        if single_pass {
+                            // The minibatch is the whole batch: its log-probs against the sampled
+                            // ones (the ratio at the start of the update).
+                            if let Some(sampled) = &rollout.sampled_logp {
+                                let s = Self::gather_rows(sampled, t, piece);
+                                let d = max_masked_diff(&new, &s, &mask, t, &rows);
+                                let prev = m.get("ratio/max_abs_logp_diff").copied().unwrap_or(0.0);
+                                m.insert("ratio/max_abs_logp_diff".into(), prev.max(d));
+                                self.check_ratio(d, "sampling")?;
+                            }
+                            own_old = Some(new);
+                        } else {
+                            // Same weights as the snapshot that scored `old_logp`: any difference
+                            // is non-deterministic scoring (dropout, a stateful task).
+                            let old = Self::gather_rows(&old_logp, t, piece);
+                            let d = max_masked_diff(&new, &old, &mask, t, &rows);
+                            let key = "ratio/first_minibatch_max_abs_diff";
+                            let prev = m.get(key).copied().unwrap_or(0.0);
+                            m.insert(key.into(), prev.max(d));
+                            self.check_ratio(d, "the rollout snapshot")?;
+                        }
+                    } else if single_pass {
+                        own_old = Some(to_host(scored.logp.clone().detach()));
+                    }
+                    let old = own_old.unwrap_or_else(|| Self::gather_rows(&old_logp, t, piece));
+                    let inputs = LossInputs {
+                        logp: scored.logp,
+                        old_logp: self.tensor(old, pb, t),
+                        ref_logp: ref_logp
+                            .as_ref()
+                            .map(|r| self.tensor(Self::gather_rows(r, t, piece), pb, t)),
+                        advantages: self.tensor(Self::gather_rows(&adv, t, piece), pb, t),
+                        mask: self.tensor(Self::gather_rows(&rollout.action_mask, t, piece), pb, t),
+                        entropy: scored.entropy,
+                    };
+                    let out = policy_loss(inputs, alg);
+                    let share = match alg.loss_agg {
+                        crate::loss::LossAgg::TokenMean => actions(piece) / total_actions,
+                        _ => pb as f64 / b as f64,
+                    };
+                    let loss = if micro == b {
+                        out.loss
+                    } else {
+                        out.loss.mul_scalar(share)
+                    };
+                    let loss_v = loss.clone().into_scalar::<f32>() as f64;
+                    if !loss_v.is_finite() {
+                        bad = Some(format!("loss = {loss_v}"));
+                        break;
+                    }
+                    accum.accumulate(
+                        &self.model,
+                        GradientsParams::from_grads(loss.backward(), &self.model),
+                    );
+                    pieces.push(out.stats);
+                }
+                if let Some(why) = bad {
                     skipped += 1;
-                    self.note_nonfinite(&format!("loss = {loss_v}"))?;
+                    self.note_nonfinite(&why)?;
                     continue;
                 }
-                let grads = out.loss.backward();
-                let mut gp = GradientsParams::from_grads(grads, &self.model);
+                let mut gp = accum.grads();
                 let norm = clip_grad_norm(&self.model, &mut gp, self.opts.optim.max_grad_norm);
                 if !norm.is_finite() {
                     skipped += 1;
@@ -774,7 +826,7 @@ impl<T: RlTask> Trainer<T> {
                 self.nonfinite_streak = 0;
                 self.model = self.optim.step(lr, self.model.clone(), gp);
                 grad_norms.push(norm);
-                stats_acc.push(out.stats);
+                stats_acc.extend(pieces);
             }
         }
         let t_update = t2.elapsed().as_secs_f64();
@@ -828,7 +880,7 @@ impl<T: RlTask> Trainer<T> {
         );
         m.insert("lr".into(), lr);
         m.insert("nonfinite_skips".into(), skipped as f64);
-        m.insert("updates".into(), stats_acc.len() as f64);
+        m.insert("updates".into(), grad_norms.len() as f64);
         let wall = t_step.elapsed().as_secs_f64();
         m.insert("time/rollout_s".into(), t_rollout);
         m.insert("time/score_s".into(), t_score);

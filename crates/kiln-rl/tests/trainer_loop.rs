@@ -419,3 +419,45 @@ fn placebo_rewards_do_not_teach_the_bandit() {
     );
     assert!(s.last["reward/mean"] < 0.6, "{:?}", s.last);
 }
+
+/// `trainer.micro_batch_size`: a minibatch scored and back-propagated in pieces, the pieces'
+/// gradients summed with their share of the loss, makes the same update as the minibatch in one
+/// piece (token-mean and sequence-mean aggregation, with and without the single on-policy pass);
+/// the step's update count is unchanged. Without the shares (each piece's own mean) the update
+/// would be 4x the gradient, which the comparison would catch.
+#[test]
+fn micro_batches_make_the_same_update_as_the_whole_minibatch() {
+    use kiln_rl::loss::LossAgg;
+    for agg in [LossAgg::TokenMean, LossAgg::SeqMeanTokenMean] {
+        for mini in [32, 16] {
+            let run = |micro: usize| {
+                let d = tempfile::tempdir().unwrap();
+                let mut o = opts(d.path(), 5);
+                o.trainer.ppo_epochs = 1;
+                o.trainer.mini_batch_size = mini;
+                o.trainer.micro_batch_size = micro;
+                o.algorithm.loss_agg = agg;
+                o.optim.max_grad_norm = 1e9; // no clipping: compare raw updates
+                let mut t = bandit_trainer(o, None);
+                let mut updates = Vec::new();
+                for _ in 0..2 {
+                    updates.push(t.train_step().unwrap()["updates"]);
+                }
+                (logits(&t), updates)
+            };
+            let (whole, u_whole) = run(0);
+            let (pieces, u_pieces) = run(4);
+            assert_eq!(u_whole, u_pieces);
+            let d = whole
+                .iter()
+                .zip(&pieces)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-5, "{agg:?} minibatch {mini}: max |diff| {d}");
+            assert!(
+                whole.iter().any(|v| v.abs() > 1e-3),
+                "the runs must move the weights"
+            );
+        }
+    }
+}

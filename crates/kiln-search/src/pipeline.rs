@@ -395,13 +395,7 @@ pub fn load_policy(
                 &env.search,
                 dir,
                 seed,
-                |step, loss| {
-                    pb.set_message(format!("cold start loss {loss:.3}"));
-                    pb.inc(1);
-                    if step % 10 == 0 {
-                        tracing::info!("cold start step {step}: loss {loss:.3}");
-                    }
-                },
+                sft_progress(&pb, "cold start", 10),
             )
             .map_err(PipelineError::msg)?;
             pb.finish_and_clear();
@@ -447,13 +441,7 @@ pub fn load_policy(
             dir,
             &ad,
             seed,
-            |step, loss| {
-                pb.set_message(format!("warm start loss {loss:.3}"));
-                pb.inc(1);
-                if step % 50 == 0 {
-                    tracing::info!("warm start step {step}: loss {loss:.3}");
-                }
-            },
+            sft_progress(&pb, "warm start", 50),
         )
         .map_err(PipelineError::msg)?;
         pb.finish_and_clear();
@@ -475,6 +463,22 @@ pub fn load_policy(
     let model = kiln_lm::load_hf_dir(dir, device)
         .with_context(|| format!("loading the policy of {}", dir.display()))?;
     Ok((model, tok))
+}
+
+/// The per-step callback of a warm or cold start: the loss on the bar, and in the log every `every`
+/// steps.
+fn sft_progress<'a>(
+    pb: &'a indicatif::ProgressBar,
+    what: &'static str,
+    every: usize,
+) -> impl FnMut(usize, f64) + 'a {
+    move |step, loss| {
+        pb.set_message(format!("{what} loss {loss:.3}"));
+        pb.inc(1);
+        if step % every == 0 {
+            tracing::info!("{what} step {step}: loss {loss:.3}");
+        }
+    }
 }
 
 /// Refuses a warm-start folder made under other settings than `key` (see [`warm_start_key`]).

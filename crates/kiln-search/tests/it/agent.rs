@@ -80,7 +80,10 @@ fn fixture() -> &'static Fixture {
 }
 
 fn model(vocab: usize, seed: u64) -> Transformer {
-    let device = Device::flex();
+    model_on(vocab, seed, &Device::flex())
+}
+
+fn model_on(vocab: usize, seed: u64, device: &Device) -> Transformer {
     device.seed(seed);
     TransformerConfig {
         vocab_size: vocab,
@@ -93,7 +96,7 @@ fn model(vocab: usize, seed: u64) -> Transformer {
         initializer_range: 0.5,
         ..Default::default()
     }
-    .init(&device)
+    .init(device)
 }
 
 #[test]
@@ -395,20 +398,7 @@ fn cold_start_uses_the_given_templates_and_saves_merged_weights() {
         assert!(text.starts_with("<<user>>"), "{}: {text}", e.role);
         assert!(text.contains("<<assistant>>"), "{}: {text}", e.role);
     }
-    let device = Device::flex().autodiff();
-    device.seed(1);
-    let base = TransformerConfig {
-        vocab_size: f.tok.vocab_size(),
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: Some(2),
-        max_position_embeddings: 1024,
-        initializer_range: 0.5,
-        ..Default::default()
-    }
-    .init(&device);
+    let base = model_on(f.tok.vocab_size(), 1, &Device::flex().autodiff());
     let before = burn::module::Module::valid(&base);
     let lora = kiln_lm::LoraConfig {
         rank: 4,
