@@ -364,22 +364,7 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
     );
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(read_metrics(&run.join("metrics.jsonl")).len(), 3);
-    let out = run_kiln(
-        p.path(),
-        &[
-            "eval",
-            run.to_str().unwrap(),
-            "--task",
-            "qa",
-            "--data",
-            "synthetic",
-            "--mode",
-            "agent",
-            "--limit",
-            "2",
-        ],
-    );
-    assert!(out.status.success(), "{}", text(&out));
+    eval_synthetic(p.path(), &run, "agent", &[]);
     // Adapters are never loaded over another base (here: other LoRA settings; last, as a failed
     // resume leaves its overrides in the run's recipe.yaml).
     let out = run_kiln(

@@ -361,14 +361,16 @@ pub fn load_policy(
     driver: &mut impl Driver,
 ) -> Result<(Transformer, Tokenizer)> {
     if !r.pretrained.is_empty() {
-        let (model, tok) = kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
-            .with_context(|| format!("loading the pre-trained policy {}", r.pretrained))?;
         if r.warm_start.steps == 0 {
-            return Ok((model, tok));
+            return start_policy(r, device);
         }
         let dir = &r.init_dir;
         let key = warm_start_key(r, env, seed);
         if !dir.join("config.json").is_file() {
+            // The pre-trained weights are read only to make the cold start (afterwards the policy
+            // is the cold start's weights with the pre-trained tokenizer: `start_policy`).
+            let (model, tok) = kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
+                .with_context(|| format!("loading the pre-trained policy {}", r.pretrained))?;
             let world = env.world.as_ref().context(
                 "the cold start needs the synthetic world: set train_data: synthetic (or warm_start: {steps: 0})",
             )?;
@@ -413,9 +415,7 @@ pub fn load_policy(
         } else {
             check_key(dir, &key)?;
         }
-        let model = kiln_lm::load_hf_dir(dir, device)
-            .with_context(|| format!("loading the cold-started policy of {}", dir.display()))?;
-        return Ok((model, tok));
+        return start_policy(r, device);
     }
     let dir = &r.init_dir;
     let key_path = dir.join("warm_start.key");
@@ -458,11 +458,7 @@ pub fn load_policy(
     } else {
         check_key(dir, &key)?;
     }
-    let tok = Tokenizer::from_hf_dir(dir)
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let model = kiln_lm::load_hf_dir(dir, device)
-        .with_context(|| format!("loading the policy of {}", dir.display()))?;
-    Ok((model, tok))
+    start_policy(r, device)
 }
 
 /// The per-step callback of a warm or cold start: the loss on the bar, and in the log every `every`
@@ -579,7 +575,7 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
 
 /// The policy's weights and tokenizer before GRPO: the warm start in `init_dir`, the pre-trained
 /// model, or its cold start in `init_dir` with the pre-trained tokenizer (see [`load_policy`], which
-/// creates what is missing; this only loads).
+/// creates what is missing and then calls this; `kiln eval` calls it directly).
 fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, Tokenizer)> {
     if r.pretrained.is_empty() {
         let tok = Tokenizer::from_hf_dir(&r.init_dir)
@@ -588,7 +584,8 @@ fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, Token
             .with_context(|| format!("loading {}", r.init_dir.display()))?;
         Ok((model, tok))
     } else if r.warm_start.steps == 0 {
-        kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device).map_err(PipelineError::msg)
+        kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
+            .with_context(|| format!("loading the pre-trained policy {}", r.pretrained))
     } else {
         let tok = kiln_lm::zoo::load_tokenizer(&r.pretrained)
             .with_context(|| format!("loading the tokenizer of {}", r.pretrained))?;
