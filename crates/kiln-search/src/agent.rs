@@ -11,6 +11,7 @@
 //! empty, which the protocol treats as an invalid action), queries are bounded by the protocol, and nothing here
 //! panics on odd text.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::tensor::activation::log_softmax;
@@ -201,8 +202,8 @@ impl TurnPolicy for LmActor<'_> {
 }
 
 /// The meta-refiner: teacher-forced log-probabilities of `" 0"..." T"` after the refiner prompt, under the same
-/// weights as the actor. When every candidate is one token (the usual case) one forward per prompt suffices;
-/// otherwise each prompt+candidate row is scored.
+/// weights as the actor. When the candidates differ only in their last token (one token each, or a shared
+/// space token then the digit) one forward per prompt suffices; otherwise each prompt+candidate row is scored.
 pub struct LmRefiner<'a> {
     /// The policy (a no-grad snapshot).
     pub model: &'a Transformer,
@@ -237,24 +238,40 @@ pub fn padded(
 /// Log-probabilities `[B, V]` of the token following each row (rows are right-padded; the last real position
 /// of each row is used). Rows must be non-empty and fit the model's window.
 pub fn next_token_logprobs(model: &Transformer, rows: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    logprobs_at_end(model, rows, 1)
+        .into_iter()
+        .map(|mut r| r.pop().unwrap_or_default())
+        .collect()
+}
+
+/// Log-probabilities `[B][K][V]` of the tokens following each of the last `k` positions of each row (the
+/// output projection runs at those `k` positions only, not at every position). Rows are right-padded; a
+/// row shorter than `k` repeats its first position. Rows must be non-empty and fit the model's window.
+pub fn logprobs_at_end(model: &Transformer, rows: &[Vec<u32>], k: usize) -> Vec<Vec<Vec<f32>>> {
     let device = model.device();
+    let k = k.max(1);
     let (toks, mask, _) = padded(rows, &device);
     let b = rows.len();
-    // The output projection at each row's last real position only (not at every position).
     let hidden = model.hidden_masked(toks, mask); // [b, w, h]
     let h = hidden.dims()[2];
     let idx: Vec<i64> = rows
         .iter()
-        .flat_map(|r| std::iter::repeat_n((r.len().max(1) - 1) as i64, h))
+        .flat_map(|r| {
+            let last = r.len().max(1) - 1;
+            (0..k)
+                .flat_map(move |i| std::iter::repeat_n((last + 1 + i).saturating_sub(k) as i64, h))
+        })
         .collect();
-    let idx = Tensor::<3, Int>::from_data(TensorData::new(idx, [b, 1, h]), &device);
-    let logits = model.logits(hidden.gather(1, idx)); // [b, 1, v]
+    let idx = Tensor::<3, Int>::from_data(TensorData::new(idx, [b, k, h]), &device);
+    let logits = model.logits(hidden.gather(1, idx)); // [b, k, v]
     let v = logits.dims()[2];
-    let lp: Vec<f32> = log_softmax(logits.reshape([b, v]), 1)
+    let lp: Vec<f32> = log_softmax(logits.reshape([b * k, v]), 1)
         .into_data()
         .try_into_vec_as::<f32>()
         .unwrap_or_default();
-    lp.chunks(v).map(<[f32]>::to_vec).collect()
+    lp.chunks(v * k)
+        .map(|row| row.chunks(v).map(<[f32]>::to_vec).collect())
+        .collect()
 }
 
 /// Sum of the log-probabilities of `rows[i][from[i]..]` given their prefixes (teacher forcing), one forward.
@@ -278,13 +295,38 @@ pub fn continuation_logprobs(model: &Transformer, rows: &[Vec<u32>], from: &[usi
         .collect()
 }
 
+/// Candidates of equal length that differ only in their last token (`" 0"`.. `" 9"` under a tokenizer that
+/// splits the space from the digit, e.g. SmolLM2's): their shared first tokens and their last tokens.
+fn shared_prefix(cands: &[Vec<u32>]) -> Option<(Vec<u32>, Vec<u32>)> {
+    let first = cands.first()?;
+    let l = first.len();
+    if l == 0
+        || cands
+            .iter()
+            .any(|c| c.len() != l || c[..l - 1] != first[..l - 1])
+    {
+        return None;
+    }
+    Some((
+        first[..l - 1].to_vec(),
+        cands.iter().map(|c| c[l - 1]).collect(),
+    ))
+}
+
+/// A request of the one-forward path: its index, prompt ids, shared candidate part and last tokens.
+type SharedRequest = (usize, Vec<u32>, Vec<u32>, Vec<u32>);
+
 impl RefinerScorer for LmRefiner<'_> {
+    /// One forward per prompt when the candidates share all but their last token (single-token candidates
+    /// are the case of an empty shared part): the row is `prompt + shared part`, and the output projection
+    /// runs only at its last `1 + shared` positions; a candidate's score is the shared part's log-prob plus
+    /// its last token's. Other candidate sets score every `prompt + candidate` row.
     fn score(&mut self, requests: &[RefinerRequest<'_>]) -> Result<Vec<Vec<f64>>, Error> {
         let window = self.model.config().max_position_embeddings;
         let chunk = self.max_batch.max(1);
         let mut out = vec![Vec::new(); requests.len()];
-        // Fast path: single-token candidates.
-        let mut single: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::new();
+        // Fast path, grouped by the shared part's length: (request, prompt, shared part, last tokens).
+        let mut shared: BTreeMap<usize, Vec<SharedRequest>> = BTreeMap::new();
         let mut multi: Vec<(usize, Vec<u32>, Vec<Vec<u32>>)> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             let mut p = encode(self.tokenizer, r.prompt)?;
@@ -303,20 +345,28 @@ impl RefinerScorer for LmRefiner<'_> {
                 out[i] = vec![0.0; cands.len()];
                 continue;
             }
-            if cands.iter().all(|c| c.len() == 1) {
-                single.push((i, p, cands.into_iter().map(|c| c[0]).collect()));
-            } else {
-                multi.push((i, p, cands));
+            match shared_prefix(&cands) {
+                Some((s, last)) => shared.entry(s.len()).or_default().push((i, p, s, last)),
+                None => multi.push((i, p, cands)),
             }
         }
-        for group in single.chunks(chunk) {
-            let rows: Vec<Vec<u32>> = group.iter().map(|g| g.1.clone()).collect();
-            let lps = next_token_logprobs(self.model, &rows);
-            for (g, lp) in group.iter().zip(lps) {
-                out[g.0] =
-                    g.2.iter()
-                        .map(|&c| lp.get(c as usize).copied().unwrap_or(f32::NEG_INFINITY) as f64)
-                        .collect();
+        for (len, items) in shared {
+            for group in items.chunks(chunk) {
+                let rows: Vec<Vec<u32>> = group
+                    .iter()
+                    .map(|g| g.1.iter().chain(&g.2).copied().collect())
+                    .collect();
+                let lps = logprobs_at_end(self.model, &rows, len + 1);
+                for (g, lp) in group.iter().zip(lps) {
+                    let at = |pos: usize, tok: u32| {
+                        lp[pos]
+                            .get(tok as usize)
+                            .copied()
+                            .unwrap_or(f32::NEG_INFINITY) as f64
+                    };
+                    let prefix: f64 = g.2.iter().enumerate().map(|(pos, &t)| at(pos, t)).sum();
+                    out[g.0] = g.3.iter().map(|&c| prefix + at(len, c)).collect();
+                }
             }
         }
         for (i, p, cands) in multi {

@@ -576,7 +576,7 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
 /// The policy's weights and tokenizer before GRPO: the warm start in `init_dir`, the pre-trained
 /// model, or its cold start in `init_dir` with the pre-trained tokenizer (see [`load_policy`], which
 /// creates what is missing and then calls this; `kiln eval` calls it directly).
-fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, Tokenizer)> {
+pub fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, Tokenizer)> {
     if r.pretrained.is_empty() {
         let tok = Tokenizer::from_hf_dir(&r.init_dir)
             .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
