@@ -365,8 +365,9 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(read_metrics(&run.join("metrics.jsonl")).len(), 3);
     eval_synthetic(p.path(), &run, "agent", &[]);
-    // Adapters are never loaded over another base (here: other LoRA settings; last, as a failed
-    // resume leaves its overrides in the run's recipe.yaml).
+    // Adapters are never loaded over another base (here: other LoRA settings), and the refused
+    // resume leaves the run's recipe.yaml as it was.
+    let recipe_before = std::fs::read_to_string(run.join("recipe.yaml")).unwrap();
     let out = run_kiln(
         p.path(),
         &[
@@ -384,6 +385,10 @@ fn search_r2_with_lora_adapters_trains_and_evaluates() {
         text(&out).contains("holds part of the policy"),
         "{}",
         text(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(run.join("recipe.yaml")).unwrap(),
+        recipe_before
     );
     // A bad LoRA setting is a located recipe error.
     let out = run_kiln(

@@ -11,9 +11,15 @@
 //! (`logsumexp_{j>=1} log p(j) >= log p(0)`), for (a) whether the most likely cut is the labelled step, and
 //! for (b) the AUC of P(accept) for telling right from wrong trajectories (0.5 = blind).
 //!
-//! `cargo run --release -p kiln-search --example refiner_probe -- RUN_DIR/recipe.yaml [N_LABELLED] [N_SAMPLED]`
-//! (a run's resolved `recipe.yaml`; the policy is its warm / cold start, `init_dir`).
+//! With `TRAIN_STEPS > 0` the policy is first fine-tuned on refiner demonstrations only (built from
+//! `TRAIN_QUESTIONS` training questions like the cold start's; the recipe's LoRA, batch size and lr;
+//! adapters merged): can the refiner learn its judgement at all from this kind of data?
+//!
+//! `cargo run --release -p kiln-search --example refiner_probe -- RUN_DIR/recipe.yaml [N_LABELLED] [N_SAMPLED]
+//! [TRAIN_STEPS] [TRAIN_QUESTIONS]` (a run's resolved `recipe.yaml`; the policy is its warm / cold start,
+//! `init_dir`).
 
+use burn::module::Module;
 use burn::tensor::Device;
 use kiln_search::agent::{LmActor, LmRefiner};
 use kiln_search::pipeline::{self, SearchRecipe};
@@ -22,7 +28,7 @@ use kiln_search::refiner::{build_refiner_prompt, candidate_texts};
 use kiln_search::reward::{DeterministicJudge, score};
 use kiln_search::rollout::run_episodes;
 use kiln_search::task::{RefinerRequest, RefinerScorer};
-use kiln_search::warmstart::{WarmStartConfig, build_examples};
+use kiln_search::warmstart::{WarmStartConfig, build_examples, supervised};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -93,6 +99,67 @@ fn auc(pos: &[f64], neg: &[f64]) -> f64 {
     s / (pos.len() * neg.len()) as f64
 }
 
+/// Fine-tunes `model` on refiner demonstrations only (see the module docs); returns the merged model.
+#[allow(clippy::too_many_arguments)]
+fn refiner_sft(
+    r: &SearchRecipe,
+    world: &kiln_search::synthetic::World,
+    env: &pipeline::Env,
+    model: kiln_lm::Transformer,
+    tok: &kiln_lm::Tokenizer,
+    templates: &kiln_search::protocol::PromptTemplates,
+    steps: usize,
+    questions: usize,
+) -> Result<kiln_lm::Transformer, Box<dyn std::error::Error>> {
+    let cfg = WarmStartConfig {
+        max_questions: questions,
+        refiner_ratio: 1.0,
+        baseline_ratio: 0.0,
+        rename_copies: 0,
+        steps,
+        ..r.warm_start.clone()
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (examples, _) = build_examples(
+        world,
+        &cfg,
+        tok,
+        templates,
+        &r.search.batch.protocol,
+        &env.search,
+        &mut rng,
+    )?;
+    let examples: Vec<_> = examples
+        .into_iter()
+        .filter(|e| e.role == "refiner")
+        .collect();
+    let mut m = model;
+    if let Some(l) = &r.lora {
+        m = m.with_lora(l);
+    }
+    let t0 = std::time::Instant::now();
+    let (m, losses) = supervised(m, &examples, &cfg, &mut rng, |step, loss| {
+        if step % 10 == 0 {
+            eprintln!(
+                "refiner SFT step {step}/{steps}: loss {loss:.4} ({:.0} s)",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    })?;
+    let k = (losses.len() / 10).max(1);
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
+    println!(
+        "refiner-only SFT: {} demonstrations, {steps} steps x {}, loss {:.3} -> {:.3}, {:.0} s",
+        examples.len(),
+        cfg.batch_size,
+        mean(&losses[..k]),
+        mean(&losses[losses.len() - k..]),
+        t0.elapsed().as_secs_f64()
+    );
+    let m = if m.has_lora() { m.merge_lora() } else { m };
+    Ok(m.valid())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let recipe = args
@@ -100,6 +167,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok_or("usage: refiner_probe RUN_DIR/recipe.yaml [N_LABELLED] [N_SAMPLED]")?;
     let n_labelled: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(120);
     let n_sampled: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(8);
+    let train_steps: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(0);
+    let train_questions: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(300);
     let r: SearchRecipe = serde_norway::from_str(&std::fs::read_to_string(&recipe)?)?;
     let device = Device::default();
     let env = pipeline::env(&r)?;
@@ -107,10 +176,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .world
         .clone()
         .ok_or("the probe needs the synthetic world (train_data: synthetic)")?;
-    let (model, tok) = pipeline::start_policy(&r, &device)?;
+    // On an autodiff device when the refiner is fine-tuned first.
+    let load_on = if train_steps > 0 {
+        device.clone().autodiff()
+    } else {
+        device.clone()
+    };
+    let (model, tok) = pipeline::start_policy(&r, &load_on)?;
     let templates = pipeline::templates(&r, &tok);
     let protocol = r.search.batch.protocol.clone();
     let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let model = if train_steps > 0 {
+        refiner_sft(
+            &r,
+            &world,
+            &env,
+            model,
+            &tok,
+            &templates,
+            train_steps,
+            train_questions,
+        )?
+    } else {
+        model
+    };
 
     // (a) Labelled refiner prompts over the test split.
     let mut test_world = world.clone();

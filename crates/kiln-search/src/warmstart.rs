@@ -610,7 +610,7 @@ fn fitting(examples: Vec<SftExample>, window: usize) -> Result<Vec<SftExample>, 
 /// Supervised fine-tuning of `model` (on an autodiff device) on `examples` for `cfg.steps` steps of
 /// `cfg.batch_size`: AdamW, linear warmup over 10% of the steps, cosine to 10% of `cfg.lr`, gradient
 /// norm clipped at 1. Returns the model and the policy-token loss of every step.
-fn supervised(
+pub fn supervised(
     mut model: Transformer,
     examples: &[SftExample],
     cfg: &WarmStartConfig,

@@ -104,8 +104,10 @@ impl<T: CliTask> Task for T {
             resolved: &l.resolved,
             run_dir: &run_dir,
             resume,
+            recipe_saved: std::cell::Cell::new(!resume),
         };
         CliTask::train(self, &l.task, &mut run)?;
+        run.save_resumed_recipe()?;
         Ok(run_dir)
     }
     fn eval(
@@ -221,10 +223,10 @@ fn prepare_run_dir(
     resolved: &serde_json::Value,
 ) -> anyhow::Result<(PathBuf, bool)> {
     match &req.resume {
-        Some(dir) => {
-            run::save_recipe(dir, resolved)?;
-            Ok((dir.clone(), true))
-        }
+        // A resumed run's recipe.yaml is rewritten only once its checkpoint has loaded
+        // ([`Run::save_resumed_recipe`]): a resume refused (e.g. adapters for another base) leaves
+        // the run's recipe as it was.
+        Some(dir) => Ok((dir.clone(), true)),
         None => {
             let name = run::run_name(common, req.recipe_path.as_deref());
             let dir = run::create_run_dir(&common.output_dir, &name)?;
@@ -245,9 +247,22 @@ pub struct Run<'a> {
     pub run_dir: &'a Path,
     /// Continuing an existing run directory (`--resume`).
     pub resume: bool,
+    /// Whether the run's recipe.yaml holds this recipe (a resumed run's is written once its
+    /// checkpoint has loaded).
+    pub recipe_saved: std::cell::Cell<bool>,
 }
 
 impl Run<'_> {
+    /// Writes the resolved recipe into a resumed run's recipe.yaml (once; called when its checkpoint has
+    /// loaded, and at the end of a task that resumes without the trainer).
+    pub fn save_resumed_recipe(&self) -> anyhow::Result<()> {
+        if !self.recipe_saved.get() {
+            run::save_recipe(self.run_dir, self.resolved)?;
+            self.recipe_saved.set(true);
+        }
+        Ok(())
+    }
+
     /// The device of the recipe's `backend:`.
     pub fn device(&self) -> anyhow::Result<Device> {
         run::device_for(self.common.backend)
@@ -305,6 +320,7 @@ impl Run<'_> {
             from = trainer
                 .resume()
                 .context("resuming from the newest checkpoint")?;
+            self.save_resumed_recipe()?;
             match from {
                 Some(s) => tracing::info!("resumed from checkpoint step-{s}"),
                 None => tracing::warn!(
