@@ -9,8 +9,9 @@
 //!   random weights) generating 48 tokens after 64-token prompts;
 //! - `grpo_step`: the compute of one default Search-R1 GRPO step on SmolLM2 with LoRA: rollouts of 20
 //!   trajectories (4 questions x G = 5) with 4 turns of 48 sampled tokens after a 400-token prompt, 150
-//!   observation tokens appended after each of the first 3 turns (each turn re-prefills its context, as
-//!   kiln's actor does today), then the update: forward + backward of the 20 finished rows in micro-batches
+//!   observation tokens appended after each of the first 3 turns (kiln continues each row from its kept
+//!   KV cache, as its actor does; the PyTorch loop re-prefills each turn's context, as `generate` does
+//!   without a cache passed in), then the update: forward + backward of the 20 finished rows in micro-batches
 //!   of 5 (retrieval, rewards and the optimiser step left out: they are < 1% of a step).
 //!
 //! Writes the two models' HF `config.json` into `OUT_DIR` (the Python side builds the same shapes from them)
@@ -24,7 +25,8 @@ use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_lm::{
-    LoraConfig, SamplingConfig, Transformer, TransformerConfig, generate, load_gguf, zoo,
+    LoraConfig, SamplingConfig, Transformer, TransformerConfig, generate, generate_reusing,
+    load_gguf, zoo,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -40,7 +42,13 @@ fn random_rows(rng: &mut ChaCha8Rng, b: usize, len: usize, vocab: u32) -> Vec<Ve
 /// Greedy generation of `new` tokens after each prompt; (seconds, generated tokens).
 fn greedy_gen(model: &Transformer, prompts: &[Vec<u32>], new: usize) -> (f64, usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
-    let _ = generate(model, &prompts[..1], &SamplingConfig::greedy(2), &mut rng, None);
+    let _ = generate(
+        model,
+        &prompts[..1],
+        &SamplingConfig::greedy(2),
+        &mut rng,
+        None,
+    );
     let t = Instant::now();
     let out = generate(model, prompts, &SamplingConfig::greedy(new), &mut rng, None);
     (
@@ -85,14 +93,18 @@ fn emit(name: &str, seconds: f64, tokens: usize, extra: &str) {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let out = std::path::PathBuf::from(args.next().ok_or("usage: bench_side OUT_DIR [WORKLOAD,...]")?);
+    let out = std::path::PathBuf::from(
+        args.next()
+            .ok_or("usage: bench_side OUT_DIR [WORKLOAD,...]")?,
+    );
     let only: Vec<String> = args
         .next()
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     let want = |w: &str| only.is_empty() || only.iter().any(|o| o == w);
     std::fs::create_dir_all(&out)?;
-    let path = zoo::lookup_name("smollm2-135m")?.ok_or("SmolLM2 is not installed: run `just setup`")?;
+    let path =
+        zoo::lookup_name("smollm2-135m")?.ok_or("SmolLM2 is not installed: run `just setup`")?;
     let device = Device::flex();
     let ad = Device::flex().autodiff();
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
@@ -141,8 +153,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut srng = ChaCha8Rng::seed_from_u64(SEED);
         let t = Instant::now();
         let mut generated = 0;
+        let mut kept: Vec<kiln_lm::SeqCache> = Vec::new();
         for turn in 0..4 {
-            let g = generate(&policy, &ctx, &sampling, &mut srng, None);
+            // kiln's actor continues each episode from its kept KV cache (LmActor::reuse_kv).
+            let reuse: Vec<Option<&kiln_lm::SeqCache>> =
+                (0..ctx.len()).map(|i| kept.get(i)).collect();
+            let (g, k) = generate_reusing(&policy, &ctx, &sampling, &mut srng, None, &reuse);
+            kept = k;
             for (c, mut new) in ctx.iter_mut().zip(g.tokens) {
                 generated += new.len();
                 // Equal lengths across rows (no early stop), as in the PyTorch loop.
@@ -170,7 +187,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     drop(lora);
 
     let tiny_cfg = TransformerConfig::from_yaml_file(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/model/tiny-agent.yaml"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../configs/model/tiny-agent.yaml"),
     )?;
     std::fs::write(
         out.join("tiny_config.json"),

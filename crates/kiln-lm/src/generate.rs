@@ -235,6 +235,77 @@ pub fn generate(
     rng: &mut impl Rng,
     detok: Option<&dyn Detokenize>,
 ) -> Generation {
+    generate_inner(model, prompts, cfg, rng, detok, None).0
+}
+
+/// A sequence's token ids and the keys/values of those ids (a one-row [`KvCache`]), kept between
+/// [`generate_reusing`] calls: a multi-turn rollout continues each episode from it instead of
+/// re-reading the whole transcript at every turn.
+#[derive(Debug, Clone)]
+pub struct SeqCache {
+    /// The ids whose keys and values are cached (prompt + generated tokens that were fed back).
+    pub ids: Vec<u32>,
+    cache: KvCache,
+}
+
+impl SeqCache {
+    /// Bytes its keys and values hold for a model of `cfg`'s shape (f32).
+    pub fn bytes(&self, cfg: &crate::TransformerConfig) -> usize {
+        self.ids.len() * cfg.num_hidden_layers * 2 * cfg.kv_heads() * cfg.head_dim() * 4
+    }
+
+    /// Length of the common prefix of its ids and `prompt`.
+    pub fn common_prefix(&self, prompt: &[u32]) -> usize {
+        self.ids
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+}
+
+/// [`generate`], continuing each prompt from `reuse[i]` where given: the longest common prefix of
+/// the cached ids and the prompt (at most all but the prompt's last token) is taken from the cache
+/// and only the rest is prefilled. The cache must come from the same model weights. Returns the
+/// generation (its `prefill_tokens` counts the tokens actually prefilled) and, per prompt, the
+/// cache of `prompt + generated tokens except the last` (the last sampled token is never fed).
+///
+/// Same tokens and log-probs as [`generate`] up to float rounding (tested); what it saves is the
+/// re-prefill of the transcript, quadratic over the turns of a multi-turn rollout.
+///
+/// # Panics
+/// As [`generate`]; also if `reuse.len() != prompts.len()`.
+pub fn generate_reusing(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    rng: &mut impl Rng,
+    detok: Option<&dyn Detokenize>,
+    reuse: &[Option<&SeqCache>],
+) -> (Generation, Vec<SeqCache>) {
+    assert_eq!(reuse.len(), prompts.len(), "one reuse entry per prompt");
+    let (g, caches) = generate_inner(model, prompts, cfg, rng, detok, Some(reuse));
+    let caches = caches
+        .into_iter()
+        .zip(prompts)
+        .map(|(c, p)| {
+            c.unwrap_or_else(|| SeqCache {
+                ids: p.clone(),
+                cache: KvCache::new(0),
+            })
+        })
+        .collect();
+    (g, caches)
+}
+
+fn generate_inner(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    rng: &mut impl Rng,
+    detok: Option<&dyn Detokenize>,
+    reuse: Option<&[Option<&SeqCache>]>,
+) -> (Generation, Vec<Option<SeqCache>>) {
     let n = prompts.len();
     let mut out = Generation {
         tokens: vec![Vec::new(); n],
@@ -243,8 +314,9 @@ pub fn generate(
         prefill_seconds: 0.0,
         prefill_tokens: 0,
     };
+    let mut kept: Vec<Option<SeqCache>> = vec![None; n];
     if n == 0 || cfg.max_new_tokens == 0 {
-        return out;
+        return (out, kept);
     }
     let vocab = model.config().vocab_size;
     if let Err(e) = check_prompts(vocab, prompts) {
@@ -252,31 +324,58 @@ pub fn generate(
     }
     let device = model.device();
     let pad = model.config().pad_token_id.unwrap_or(0) as i64;
-    let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let n_layers = model.layers.len();
 
-    // Prefill.
+    // Reused prefix of each prompt (at least its last token is prefilled: its logits start the
+    // decoding), and the rest to prefill.
+    let reused: Vec<usize> = (0..n)
+        .map(|i| match reuse.and_then(|r| r[i]) {
+            Some(c) if c.cache.n_layers() == n_layers => {
+                c.common_prefix(&prompts[i]).min(prompts[i].len() - 1)
+            }
+            _ => 0,
+        })
+        .collect();
+    let lc = reused.iter().copied().max().unwrap_or(0);
+    let fresh: Vec<&[u32]> = prompts.iter().zip(&reused).map(|(p, &c)| &p[c..]).collect();
+    let max_len = fresh.iter().map(|p| p.len()).max().unwrap_or(0);
+
+    // Prefill: [cached prefix, left-padded to lc | fresh tokens, left-padded to max_len].
     let t_prefill = std::time::Instant::now();
     let mut toks = Vec::with_capacity(n * max_len);
-    let mut mask = Vec::with_capacity(n * max_len);
-    for p in prompts {
+    let mut mask = Vec::with_capacity(n * (lc + max_len));
+    let mut positions = Vec::with_capacity(n * max_len);
+    for (p, &c) in fresh.iter().zip(&reused) {
         let padn = max_len - p.len();
         toks.extend(std::iter::repeat_n(pad, padn));
         toks.extend(p.iter().map(|&t| t as i64));
+        mask.extend(std::iter::repeat_n(false, lc - c));
+        mask.extend(std::iter::repeat_n(true, c));
         mask.extend(std::iter::repeat_n(false, padn));
         mask.extend(std::iter::repeat_n(true, p.len()));
+        positions.extend(std::iter::repeat_n(0, padn));
+        positions.extend(c as i64..(c + p.len()) as i64);
     }
-    let positions: Vec<i64> = prompts
-        .iter()
-        .flat_map(|p| {
-            let padn = max_len - p.len();
-            std::iter::repeat_n(0, padn).chain(0..p.len() as i64)
-        })
-        .collect();
-    let mut cache = KvCache::new(model.layers.len());
+    let mut cache = if lc > 0 {
+        let rows: Vec<Option<KvCache>> = (0..n)
+            .map(|i| {
+                (reused[i] > 0).then(|| {
+                    reuse
+                        .and_then(|r| r[i])
+                        .map(|c| c.cache.truncated(reused[i]))
+                })?
+            })
+            .collect();
+        let like = rows.iter().flatten().next().cloned().unwrap_or_default();
+        let refs: Vec<Option<&KvCache>> = rows.iter().map(Option::as_ref).collect();
+        KvCache::stack_left_padded(&refs, lc, &like)
+    } else {
+        KvCache::new(n_layers)
+    };
     let hidden = model.forward_cached(
         int2(&device, toks, [n, max_len]),
         int2(&device, positions, [n, max_len]),
-        bool2(&device, mask.clone(), [n, max_len]),
+        bool2(&device, mask.clone(), [n, lc + max_len]),
         &mut cache,
     );
     let d = model.config().hidden_size;
@@ -293,12 +392,31 @@ pub fn generate(
             .expect("float logits"),
     );
     out.prefill_seconds = t_prefill.elapsed().as_secs_f64();
-    out.prefill_tokens = prompts.iter().map(Vec::len).sum();
+    out.prefill_tokens = fresh.iter().map(|p| p.len()).sum();
 
     // Active rows: index into `prompts`, next position, key mask so far.
     let mut active: Vec<usize> = (0..n).collect();
     let mut next_pos: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
-    let mut key_mask: Vec<Vec<bool>> = mask.chunks(max_len).map(|c| c.to_vec()).collect();
+    let mut key_mask: Vec<Vec<bool>> = mask.chunks(lc + max_len).map(|c| c.to_vec()).collect();
+    // Keeps the cache of finished row `r` (batch index) of sequence `seq`: its real keys.
+    let keep_row = |kept: &mut Vec<Option<SeqCache>>,
+                    cache: &KvCache,
+                    r: usize,
+                    seq: usize,
+                    km: &[bool],
+                    tokens: &[u32]| {
+        if reuse.is_none() {
+            return;
+        }
+        let real: Vec<usize> = (0..km.len()).filter(|&j| km[j]).collect();
+        let mut ids = prompts[seq].clone();
+        ids.extend_from_slice(&tokens[..tokens.len().saturating_sub(1)]);
+        debug_assert_eq!(ids.len(), real.len());
+        kept[seq] = Some(SeqCache {
+            ids,
+            cache: cache.extract_row(r, &real),
+        });
+    };
 
     loop {
         let rows: Vec<f32> = match logits_host.take() {
@@ -330,7 +448,10 @@ pub fn generate(
                 done = Some(FinishReason::Length);
             }
             match done {
-                Some(reason) => out.finish[seq] = reason,
+                Some(reason) => {
+                    out.finish[seq] = reason;
+                    keep_row(&mut kept, &cache, r, seq, &key_mask[r], &out.tokens[seq]);
+                }
                 None => {
                     keep.push(r);
                     step_tokens.push(tok as i64);
@@ -366,7 +487,7 @@ pub fn generate(
         }
         logits = model.logits_with_head(hidden, &head);
     }
-    out
+    (out, kept)
 }
 
 /// Log-probs of `tokens[:, 1:]` under the model given their prefixes, at `temperature`:
@@ -493,6 +614,60 @@ mod tests {
             ..Default::default()
         }
         .init(&device)
+    }
+
+    /// A multi-turn continuation from kept caches (full, partial and no reuse in one batch, rows
+    /// finishing at different steps) gives the tokens and log-probs of re-prefilling every
+    /// transcript, and prefills only the new tokens.
+    #[test]
+    fn reusing_kept_caches_equals_reprefilling() {
+        let m = model();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let first: Vec<Vec<u32>> = vec![vec![3, 4, 5, 6, 7], vec![8, 9], vec![10, 11, 12]];
+        let cfg = SamplingConfig {
+            temperature: 0.9,
+            greedy: false,
+            // Rows stop at different steps (this seed draws 29 at some steps of some rows).
+            stop_token_ids: vec![29],
+            ..SamplingConfig::greedy(6)
+        };
+        let none = vec![None; first.len()];
+        let (g1, kept) = generate_reusing(&m, &first, &cfg, &mut rng, None, &none);
+        for (i, k) in kept.iter().enumerate() {
+            let mut want = first[i].clone();
+            want.extend_from_slice(&g1.tokens[i][..g1.tokens[i].len() - 1]);
+            assert_eq!(k.ids, want);
+        }
+        // Turn 2: row 0 continues its transcript plus an "observation"; row 1 diverges inside
+        // its cached prefix (partial reuse); row 2 is new (no cache).
+        let mut second = Vec::new();
+        let mut t0 = first[0].clone();
+        t0.extend(&g1.tokens[0]);
+        t0.extend([20, 21, 22]);
+        second.push(t0);
+        second.push(vec![8, 30, 31, 32]);
+        second.push(vec![13, 14]);
+        let reuse = vec![Some(&kept[0]), Some(&kept[1]), None];
+        let mut r1 = rand::rngs::StdRng::seed_from_u64(5);
+        let (a, kept2) = generate_reusing(&m, &second, &cfg, &mut r1, None, &reuse);
+        let mut r2 = rand::rngs::StdRng::seed_from_u64(5);
+        let b = generate(&m, &second, &cfg, &mut r2, None);
+        assert_eq!(a.tokens, b.tokens);
+        let lens: std::collections::BTreeSet<usize> = a.tokens.iter().map(Vec::len).collect();
+        assert!(
+            lens.len() > 1,
+            "rows should finish at different steps: {:?}",
+            a.tokens
+        );
+        for (x, y) in a.logprobs.iter().flatten().zip(b.logprobs.iter().flatten()) {
+            assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+        }
+        // Only what was not cached is prefilled: row 0's last generated token (never fed back)
+        // and the 3 new ones, row 1 after its first id, all of row 2.
+        let want = (1 + 3) + 3 + 2;
+        assert_eq!(a.prefill_tokens, want);
+        assert_eq!(b.prefill_tokens, second.iter().map(Vec::len).sum::<usize>());
+        assert_eq!(kept2[2].ids[..2], [13, 14]);
     }
 
     #[test]

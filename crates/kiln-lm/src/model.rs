@@ -146,6 +146,11 @@ impl KvCache {
             .unwrap_or(0)
     }
 
+    /// Number of layers it has room for.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     /// True when nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -157,6 +162,82 @@ impl KvCache {
             l.k = l.k.take().map(|k| k.select(0, rows.clone()));
             l.v = l.v.take().map(|v| v.select(0, rows.clone()));
         }
+    }
+
+    /// Batch row `row`, cached positions `keep` (in order; e.g. the real, non-padding keys of a
+    /// left-padded batch), as a one-row cache.
+    pub fn extract_row(&self, row: usize, keep: &[usize]) -> KvCache {
+        let pick = |t: &Tensor<4>| {
+            let idx = Tensor::<1, Int>::from_data(
+                TensorData::new(keep.iter().map(|&i| i as i64).collect(), [keep.len()]),
+                &t.device(),
+            );
+            let [_, h, n, d] = t.dims();
+            t.clone()
+                .slice([row..row + 1, 0..h, 0..n, 0..d])
+                .select(2, idx)
+        };
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerCache {
+                    k: l.k.as_ref().map(pick),
+                    v: l.v.as_ref().map(pick),
+                })
+                .collect(),
+        }
+    }
+
+    /// The first `len` cached positions (of every row).
+    pub fn truncated(&self, len: usize) -> KvCache {
+        let cut = |t: &Tensor<4>| {
+            let [b, h, _, d] = t.dims();
+            t.clone().slice([0..b, 0..h, 0..len, 0..d])
+        };
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerCache {
+                    k: l.k.as_ref().map(cut),
+                    v: l.v.as_ref().map(cut),
+                })
+                .collect(),
+        }
+    }
+
+    /// One batch of one-row caches (`None` or empty = nothing cached), each left-padded with zeros
+    /// to `len` positions: row `i`'s keys sit at `len - rows[i].len() .. len` (mask the rest).
+    /// `like` gives the layer count and head shapes. Every row must hold at most `len` positions.
+    pub fn stack_left_padded(rows: &[Option<&KvCache>], len: usize, like: &KvCache) -> KvCache {
+        let n_layers = like.layers.len();
+        let mut layers = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let stack = |get: fn(&LayerCache) -> Option<&Tensor<4>>| -> Option<Tensor<4>> {
+                let proto = get(&like.layers[l])?;
+                let [_, h, _, d] = proto.dims();
+                let device = proto.device();
+                let parts: Vec<Tensor<4>> = rows
+                    .iter()
+                    .map(|r| {
+                        let have = r.and_then(|c| c.layers.get(l)).and_then(get);
+                        let n = have.map(|t| t.dims()[2]).unwrap_or(0);
+                        let pad = Tensor::<4>::zeros([1, h, len - n, d], &device);
+                        match have {
+                            Some(t) if n > 0 => Tensor::cat(vec![pad, t.clone()], 2),
+                            _ => pad,
+                        }
+                    })
+                    .collect();
+                Some(Tensor::cat(parts, 0))
+            };
+            layers.push(LayerCache {
+                k: stack(|c| c.k.as_ref()),
+                v: stack(|c| c.v.as_ref()),
+            });
+        }
+        KvCache { layers }
     }
 }
 

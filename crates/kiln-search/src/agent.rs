@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
-use kiln_lm::generate::{Detokenize, SamplingConfig, generate};
+use kiln_lm::generate::{Detokenize, SamplingConfig, SeqCache, generate, generate_reusing};
 use kiln_lm::{Tokenizer, Transformer};
 use rand_chacha::ChaCha8Rng;
 
@@ -101,6 +101,15 @@ pub struct LmActor<'a> {
     pub prefill_seconds: f64,
     /// Context tokens prefilled so far.
     pub prefill_tokens: usize,
+    /// Continue each episode from the keys/values kept from its previous turn (default on): a turn
+    /// prefills only what was appended since (the observation), not the whole transcript. Same
+    /// tokens and log-probs up to float rounding.
+    pub reuse_kv: bool,
+    /// At most this many bytes of kept keys/values (oldest dropped first; default 2 GiB).
+    pub kv_budget_bytes: usize,
+    /// Kept caches of the sequences generated so far (the actor lives for one rollout round, one
+    /// set of weights).
+    kv: Vec<SeqCache>,
 }
 
 impl<'a> LmActor<'a> {
@@ -125,6 +134,9 @@ impl<'a> LmActor<'a> {
             max_batch: 0,
             prefill_seconds: 0.0,
             prefill_tokens: 0,
+            reuse_kv: true,
+            kv_budget_bytes: 2 << 30,
+            kv: Vec::new(),
         }
     }
 }
@@ -174,13 +186,51 @@ impl TurnPolicy for LmActor<'_> {
                 max_new_tokens: budget,
                 ..self.sampling.clone()
             };
-            let g = generate(
-                self.model,
-                &prompts,
-                &cfg,
-                self.rng,
-                Some(&Detok(self.tokenizer)),
-            );
+            let g = if self.reuse_kv {
+                // Each prompt continues the kept cache it shares the longest prefix with.
+                let src: Vec<Option<usize>> = prompts
+                    .iter()
+                    .map(|p| {
+                        (0..self.kv.len())
+                            .map(|j| (self.kv[j].common_prefix(p), j))
+                            .max()
+                            .filter(|(n, _)| *n > 1)
+                            .map(|(_, j)| j)
+                    })
+                    .collect();
+                let reuse: Vec<Option<&SeqCache>> =
+                    src.iter().map(|j| j.map(|j| &self.kv[j])).collect();
+                let (g, kept) = generate_reusing(
+                    self.model,
+                    &prompts,
+                    &cfg,
+                    self.rng,
+                    Some(&Detok(self.tokenizer)),
+                    &reuse,
+                );
+                // The new caches supersede the ones they continued.
+                let used: std::collections::BTreeSet<usize> = src.into_iter().flatten().collect();
+                let mut j = 0;
+                self.kv.retain(|_| {
+                    j += 1;
+                    !used.contains(&(j - 1))
+                });
+                self.kv.extend(kept);
+                let cfg = self.model.config();
+                let mut total: usize = self.kv.iter().map(|c| c.bytes(cfg)).sum();
+                while total > self.kv_budget_bytes && !self.kv.is_empty() {
+                    total -= self.kv.remove(0).bytes(cfg);
+                }
+                g
+            } else {
+                generate(
+                    self.model,
+                    &prompts,
+                    &cfg,
+                    self.rng,
+                    Some(&Detok(self.tokenizer)),
+                )
+            };
             self.prefill_seconds += g.prefill_seconds;
             self.prefill_tokens += g.prefill_tokens;
             for (k, t) in group.iter().enumerate() {

@@ -83,8 +83,9 @@ pub struct RolloutStats {
     /// Of `generate_seconds`, the prefills (each turn's context forward before its first token), as
     /// far as the policy reports them (the model actor does; scripted policies leave 0).
     pub prefill_seconds: f64,
-    /// Context tokens the prefills ran: every turn re-reads its whole transcript (no KV cache is
-    /// kept across turns), so this is the work a cache would save past the first turn.
+    /// Context tokens the prefills ran: with `LmActor::reuse_kv` (the default) a turn prefills only
+    /// what was appended since the episode's previous turn (its observation); without it, every turn
+    /// re-reads its whole transcript.
     pub prefill_tokens: usize,
 }
 

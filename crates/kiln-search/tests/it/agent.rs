@@ -206,6 +206,65 @@ fn rescoring_reproduces_sampling_logprobs_and_masks_observations() {
     }
 }
 
+/// Multi-turn sampled rollouts continue each episode from its kept KV cache: the same episodes
+/// (texts, ids, recorded log-probs within 1e-4) as re-prefilling every transcript, with fewer
+/// context tokens prefilled.
+#[test]
+fn actor_reusing_kept_caches_samples_the_same_episodes() {
+    let f = fixture();
+    let m = model(f.tok.vocab_size(), 13);
+    let protocol = ProtocolConfig {
+        max_turns: 3,
+        ..ProtocolConfig::default()
+    };
+    let sampling = SamplingConfig {
+        temperature: 1.0,
+        greedy: false,
+        ..SamplingConfig::greedy(12)
+    };
+    let run = |reuse: bool| {
+        let mut eps: Vec<Episode> = f.world.train[..3]
+            .iter()
+            .flat_map(|q| {
+                let protocol = protocol.clone();
+                (0..2).map(move |_| {
+                    Episode::for_question(
+                        &PromptTemplate::search_r1(),
+                        &q.example.question,
+                        protocol.clone(),
+                    )
+                    .unwrap()
+                })
+            })
+            .collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let mut actor = LmActor::new(&m, &f.tok, sampling.clone(), &mut rng);
+        actor.reuse_kv = reuse;
+        actor.max_batch = 4; // two generation calls per round
+        run_episodes(&mut eps, &mut actor, &f.search, OnSearchError::EndEpisode).unwrap();
+        (eps, actor.prefill_tokens)
+    };
+    let (a, with_cache) = run(true);
+    let (b, without) = run(false);
+    let turns: usize = a.iter().map(|e| e.trajectory.steps.len()).sum();
+    assert!(turns > a.len(), "some episodes need several turns: {turns}");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.trajectory.steps.len(), y.trajectory.steps.len());
+        for (sx, sy) in x.trajectory.steps.iter().zip(&y.trajectory.steps) {
+            assert_eq!(sx.policy.text, sy.policy.text);
+            assert_eq!(sx.policy.token_ids, sy.policy.token_ids);
+            let (lx, ly) = (
+                sx.policy.logprobs.as_ref().unwrap(),
+                sy.policy.logprobs.as_ref().unwrap(),
+            );
+            for (p, q) in lx.iter().zip(ly) {
+                assert!((p - q).abs() < 1e-4, "{p} vs {q}");
+            }
+        }
+    }
+    assert!(with_cache < without, "{with_cache} vs {without}");
+}
+
 #[test]
 fn refiner_fast_path_equals_teacher_forcing() {
     let f = fixture();
