@@ -187,6 +187,30 @@ fn search_r2_trains_evaluates_and_reports() {
         r1[0].get("refiner/intervention_volume").is_none(),
         "refiner must be off"
     );
+    // `kiln eval RECIPE`: the policy before training (the warm start), into a run of its own.
+    let mut a = vec!["eval", "recipes/search_r1_tiny.yaml"];
+    a.extend_from_slice(SMALL);
+    a.extend_from_slice(&[
+        "--task",
+        "qa",
+        "--data",
+        "synthetic",
+        "--mode",
+        "agent",
+        "--limit",
+        "3",
+    ]);
+    let out = run_kiln(p.path(), &a);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("| synthetic-test | agent | 3 |"),
+        "{}",
+        text(&out)
+    );
+    let start = run_dir(p.path(), "search_r1_tiny-start");
+    assert!(start.join("recipe.yaml").is_file());
+    assert!(find_file(&start.join("eval"), "report.md").is_some());
+    assert!(!start.join("checkpoints").exists());
 }
 
 #[test]

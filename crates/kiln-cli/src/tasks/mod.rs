@@ -492,8 +492,42 @@ fn policy_elsewhere(dir: &Path, sets: &[String]) -> anyhow::Result<Option<(PathB
     Ok(Some((ckpt, dir.to_path_buf())))
 }
 
-/// `kiln eval CHECKPOINT`: evaluate a checkpoint of a run with its own recipe.
+/// `kiln eval RECIPE.yaml`: the recipe's policy before any RL step (the warm / cold start, or the
+/// pre-trained model), evaluated like a checkpoint, into a new run directory
+/// `<output_dir>/<name>-start-<time>/` holding the recipe and the `eval/` report. This is the "SFT"
+/// row of a table: the same evaluation as the RL runs' final table, without training.
+fn eval_start(req: &EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
+    let raw = crate::recipe::load_raw(&req.checkpoint, &req.sets)?;
+    let task = check_task(&raw)?;
+    if task.name() != "search_r2" {
+        anyhow::bail!(
+            "`kiln eval {}`: evaluating a recipe's policy before training is supported for task              search_r2, not `{}`; give a checkpoint (`kiln eval runs/<run>`) instead",
+            req.checkpoint.display(),
+            task.name()
+        );
+    }
+    let resolved = task.validate(&raw)?;
+    let common: CommonConfig =
+        serde_json::from_value(resolved.clone()).context("reading the recipe's shared fields")?;
+    let name = format!("{}-start", run::run_name(&common, Some(&req.checkpoint)));
+    let run_dir = run::create_run_dir(&common.output_dir, &name)?;
+    run::save_recipe(&run_dir, &resolved)?;
+    eprintln!(
+        "[kiln] evaluating the policy of {} before training; report in {}",
+        req.checkpoint.display(),
+        run_dir.join("eval").display()
+    );
+    // No checkpoint: the task evaluates its starting policy.
+    let ckpt = run_dir.join("checkpoints").join("step-0");
+    task.eval(&raw, req, &ckpt, &run_dir)
+}
+
+/// `kiln eval CHECKPOINT`: evaluate a checkpoint of a run with its own recipe (or, given a recipe
+/// file, its policy before training: [`eval_start`]).
 pub fn eval(req: EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
+    if req.checkpoint.is_file() {
+        return eval_start(&req);
+    }
     let (ckpt, run_dir) = match locate_checkpoint(&req.checkpoint) {
         Ok(found) => found,
         Err(e) => policy_elsewhere(&req.checkpoint, &req.sets)?.ok_or(e)?,
