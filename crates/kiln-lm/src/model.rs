@@ -177,16 +177,7 @@ impl KvCache {
                 .slice([row..row + 1, 0..h, 0..n, 0..d])
                 .select(2, idx)
         };
-        KvCache {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| LayerCache {
-                    k: l.k.as_ref().map(pick),
-                    v: l.v.as_ref().map(pick),
-                })
-                .collect(),
-        }
+        self.map(pick)
     }
 
     /// The first `len` cached positions (of every row).
@@ -195,13 +186,18 @@ impl KvCache {
             let [b, h, _, d] = t.dims();
             t.clone().slice([0..b, 0..h, 0..len, 0..d])
         };
+        self.map(cut)
+    }
+
+    /// `f` applied to every layer's keys and values.
+    fn map(&self, f: impl Fn(&Tensor<4>) -> Tensor<4>) -> KvCache {
         KvCache {
             layers: self
                 .layers
                 .iter()
                 .map(|l| LayerCache {
-                    k: l.k.as_ref().map(cut),
-                    v: l.v.as_ref().map(cut),
+                    k: l.k.as_ref().map(&f),
+                    v: l.v.as_ref().map(&f),
                 })
                 .collect(),
         }
