@@ -114,7 +114,7 @@ if want("grpo_step"):
     lora.unmerge_adapter()
     lora.train()
     t = time.perf_counter()
-    fwd_bwd(lora, ctx, 5)
+    fwd_bwd(lora, ctx, 2)
     update_s = time.perf_counter() - t
     emit("grpo_step", rollout_s + update_s, generated, rollout_s=round(rollout_s, 3), update_s=round(update_s, 3),
          row_len=ctx.shape[1])
