@@ -28,6 +28,6 @@ gguf=$(python3 -c "import json; print(json.load(open('$root/.kiln/models.json'))
 echo "kiln side ($threads threads) ..."
 RAYON_NUM_THREADS=$threads "${CARGO_TARGET_DIR:-$root/target}/release/examples/bench_side" "$out" $only | tee "$out/kiln.jsonl"
 echo "PyTorch side ($threads threads) ..."
-RAYON_NUM_THREADS=$threads "$venv/bin/python" "$root/scripts/bench/side_by_side.py" "$gguf" "$out" \
-    "${only:+$only,}matmul_peak" | tee "$out/pytorch.jsonl"
+RAYON_NUM_THREADS=$threads "$venv/bin/python" "$root/scripts/bench/side_by_side.py" "$gguf" "$out" $only \
+    | tee "$out/pytorch.jsonl"
 python3 "$root/scripts/bench/side_by_side_table.py" "$out"
