@@ -213,6 +213,8 @@ fn dispatch(cmd: Command) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    // Keep freed tensor memory for reuse (glibc): see `kiln_lm::malloc`; `KILN_MALLOC=system` opts out.
+    kiln_lm::malloc::keep_freed_memory();
     let cli = Cli::parse();
     init_tracing();
     match dispatch(cli.command) {

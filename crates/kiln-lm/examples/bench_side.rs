@@ -15,6 +15,13 @@
 //!   of 2 (the whole-vocabulary loss of this bench keeps `[5, 1042, 49152]` logits alive: pieces of 5
 //!   were killed at the machine's 24 GB) (retrieval, rewards and the optimiser step left out: they are < 1% of a step).
 //!
+//! - `smollm2_update_lora_2x1042` (kiln only, run when named): the GRPO step's update unit alone, forward +
+//!   backward of 2 rows of 1,042 tokens with LoRA, twice; `seconds` is the second (a training run's steady
+//!   state: memory freed by the first is reused), `first_s` the first.
+//!
+//! `KILN_BENCH_CKPT=1` trains on burn's gradient-checkpointing autodiff device (memory-bound ops recomputed
+//! in the backward pass instead of kept); `KILN_MALLOC=system` runs without [`kiln_lm::malloc`]'s setting.
+//!
 //! Writes the two models' HF `config.json` into `OUT_DIR` (the Python side builds the same shapes from them)
 //! and prints one JSON line per workload: seconds and tokens. Measures; asserts nothing.
 //!
@@ -93,6 +100,8 @@ fn emit(name: &str, seconds: f64, tokens: usize, extra: &str) {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The allocator setting the kiln binary runs with (`KILN_MALLOC=system` measures without it).
+    kiln_lm::malloc::keep_freed_memory();
     let mut args = std::env::args().skip(1);
     let out = std::path::PathBuf::from(
         args.next()
@@ -107,7 +116,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path =
         zoo::lookup_name("smollm2-135m")?.ok_or("SmolLM2 is not installed: run `just setup`")?;
     let device = Device::flex();
-    let ad = Device::flex().autodiff();
+    let ad = if std::env::var_os("KILN_BENCH_CKPT").is_some() {
+        Device::flex().autodiff().gradient_checkpointing()
+    } else {
+        Device::flex().autodiff()
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
 
     let smol = load_gguf(&path, &device)?;
@@ -140,6 +153,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             s,
             4 * 256,
             &format!(",\"lora_params\":{}", lora.lora_parameter_count()),
+        );
+    }
+    if only.iter().any(|o| o == "smollm2_update_lora_2x1042") {
+        let rows = random_rows(&mut rng, 2, 1042, vocab);
+        let t = Instant::now();
+        fwd_bwd(&lora, &rows, 2);
+        let first = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        fwd_bwd(&lora, &rows, 2);
+        emit(
+            "smollm2_update_lora_2x1042",
+            t.elapsed().as_secs_f64(),
+            2 * 1042,
+            &format!(",\"first_s\":{first:.3}"),
         );
     }
     if want("grpo_step") {

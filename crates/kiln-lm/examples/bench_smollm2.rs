@@ -14,6 +14,8 @@ use kiln_lm::{LoraConfig, SamplingConfig, Transformer, generate, load_gguf, zoo}
 use rand::{Rng, SeedableRng};
 
 fn main() {
+    // The allocator setting the kiln binary runs with (`KILN_MALLOC=system` measures without it).
+    kiln_lm::malloc::keep_freed_memory();
     let path = std::env::var("KILN_SMOLLM2_GGUF")
         .map(std::path::PathBuf::from)
         .ok()

@@ -10,6 +10,7 @@ pub mod diffusion;
 pub mod generate;
 pub mod gguf;
 pub mod lora;
+pub mod malloc;
 pub mod model;
 pub mod tokenizer;
 pub mod weights;

@@ -161,6 +161,7 @@ fn refiner_sft(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    kiln_lm::malloc::keep_freed_memory();
     let mut args = std::env::args().skip(1);
     let recipe = args
         .next()
