@@ -283,6 +283,8 @@ fn default_smollm2_recipe_cold_starts_and_trains_on_the_installed_model() {
             "--set",
             "warm_start={steps: 2, batch_size: 2, lr: 0.0005, max_questions: 4}",
             "--set",
+            "refiner_start.questions=0",
+            "--set",
             "trainer.steps=1",
             "--set",
             "trainer.mini_batch_size=2",

@@ -23,6 +23,7 @@ pub mod grpo;
 pub mod pipeline;
 pub mod protocol;
 pub mod refiner;
+pub mod refiner_start;
 pub mod reward;
 pub mod rollout;
 pub mod synthetic;

@@ -8,7 +8,9 @@
 //! 2. the policy ([`load_policy`]): a pre-trained model (`pretrained:`, an HF folder, a GGUF file or
 //!    a zoo name), or the tiny transformer of `model:` warm-started by supervised training on
 //!    scripted demonstrations into `init_dir` (reused when present, so Search-R1 and Search-R2
-//!    runs start from the same weights);
+//!    runs start from the same weights); with `refiner_start:` (Search-R2), the meta-refiner is then
+//!    fine-tuned on the actor's own labelled trajectories into a folder of its own
+//!    ([`crate::refiner_start`]), which becomes the policy, and its calibrated margin the refiner's;
 //! 3. joint GRPO through kiln-rl ([`crate::grpo::SearchTask`], run by the binary's
 //!    [`kiln_rl::Driver`]); 4. a held-out evaluation table, direct / RAG / agent
 //!    ([`eval_checkpoint`]), which `kiln eval --task qa` also runs ([`eval_qa`]).
@@ -29,6 +31,7 @@ use crate::data::{LoadOptions, QaExample, load_qa, resolve_dataset};
 use crate::eval::{EvalMode, QaRecord, write_report};
 use crate::grpo::{SearchTask, SearchTaskConfig, evaluate_examples};
 use crate::protocol::PromptTemplates;
+use crate::refiner_start::{RefinerStartConfig, RefinerStartInputs};
 use crate::synthetic::{Split, World, WorldConfig, default_cache_root, load_or_generate};
 use crate::warmstart::{WarmStartConfig, warm_start};
 
@@ -61,6 +64,10 @@ pub struct SearchRecipe {
     /// `pretrained:`, cold-starts the pre-trained one (with `lora:` adapters when given, merged into the
     /// saved weights). `warm_start: {steps: 0}` with `pretrained:` starts GRPO from the model as it is.
     pub warm_start: WarmStartConfig,
+    /// Search-R2's refiner start after the warm / cold start (off unless `questions > 0` and the refiner
+    /// is enabled): the refiner fine-tuned on the actor's own trajectories, labelled with their first bad
+    /// step, and its decision margin calibrated on held-out ones (README, "A refiner that sees").
+    pub refiner_start: RefinerStartConfig,
     /// The synthetic multi-hop world (used when `train_data`, `eval_data` or `retriever` say `synthetic`).
     pub world: WorldConfig,
     /// Training questions: `synthetic` (the world's train split) or a dataset name / JSONL path.
@@ -123,6 +130,7 @@ impl Default for SearchRecipe {
                 ..TransformerConfig::default()
             },
             warm_start: WarmStartConfig::default(),
+            refiner_start: RefinerStartConfig::default(),
             world: WorldConfig::default(),
             train_data: "synthetic".into(),
             eval_data: "synthetic".into(),
@@ -135,6 +143,32 @@ impl Default for SearchRecipe {
 }
 
 impl SearchRecipe {
+    /// True when the refiner start runs (see `refiner_start`).
+    pub fn refiner_start_active(&self) -> bool {
+        self.refiner_start.questions > 0
+            && self.search.batch.refiner.enabled
+            && (self.pretrained.is_empty() || self.warm_start.steps > 0)
+    }
+
+    /// The folder of the refiner start (`refiner_start.dir`, default `init_dir` + `-refiner`).
+    pub fn refiner_start_dir(&self) -> PathBuf {
+        self.refiner_start.dir.clone().unwrap_or_else(|| {
+            let mut s = self.init_dir.clone().into_os_string();
+            s.push("-refiner");
+            PathBuf::from(s)
+        })
+    }
+
+    /// Where the policy's weights before GRPO live: the refiner start's folder when it runs, else
+    /// `init_dir`.
+    pub fn policy_dir(&self) -> PathBuf {
+        if self.refiner_start_active() {
+            self.refiner_start_dir()
+        } else {
+            self.init_dir.clone()
+        }
+    }
+
     /// True when the world is used (data or retriever `synthetic`).
     pub fn uses_world(&self) -> bool {
         self.retriever.is_synthetic()
@@ -415,7 +449,7 @@ pub fn load_policy(
         } else {
             check_key(dir, &key)?;
         }
-        return start_policy(r, device);
+        return finish_start(r, env, device, seed, &key, driver);
     }
     let dir = &r.init_dir;
     let key_path = dir.join("warm_start.key");
@@ -458,7 +492,143 @@ pub fn load_policy(
     } else {
         check_key(dir, &key)?;
     }
+    finish_start(r, env, device, seed, &key, driver)
+}
+
+/// The last part of [`load_policy`]: the refiner start when the recipe has one (made when its folder
+/// is missing, refused when it was made under other settings), then the policy.
+fn finish_start(
+    r: &SearchRecipe,
+    env: &Env,
+    device: &Device,
+    seed: u64,
+    start_key: &str,
+    driver: &mut impl Driver,
+) -> Result<(Transformer, Tokenizer)> {
+    if !r.refiner_start_active() {
+        return start_policy(r, device);
+    }
+    let dir = r.refiner_start_dir();
+    let key = {
+        let text = serde_json::to_string(&(
+            start_key,
+            &r.refiner_start.questions,
+            &r.refiner_start.group_size,
+            &r.refiner_start.holdout,
+            &r.refiner_start.epochs,
+            &r.refiner_start.batch_size,
+            &r.refiner_start.lr,
+            &r.search.sampling,
+            &r.search.batch.reward,
+            &r.train_data,
+        ))
+        .unwrap_or_default();
+        kiln_rl::digest::fnv1a_hex(text.as_bytes())
+    };
+    let key_path = dir.join("refiner_start.key");
+    if dir.join("config.json").is_file() {
+        match std::fs::read_to_string(&key_path) {
+            Ok(found) if found.trim() == key => {
+                tracing::info!("using the refiner start in {}", dir.display());
+                return start_policy(r, device);
+            }
+            _ => {
+                return Err(PipelineError(format!(
+                    "{} was made by a refiner start under other settings (the start policy, refiner_start, \
+                     search.sampling, the reward or the training data differ from this recipe): delete that \
+                     folder to redo it, or set refiner_start.dir to a new folder",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    let (model, tok) = load_from(r, device, &r.init_dir)?;
+    let c = &r.refiner_start;
+    let n = c.questions.min(env.train.len());
+    tracing::info!(
+        "refiner start: {} trajectories of the actor on {n} training questions ({} held out), labelled, \
+         then {} epochs of refiner fine-tuning -> {}",
+        n * c.group_size,
+        (n as f64 * c.holdout).round() as usize,
+        c.epochs,
+        dir.display()
+    );
+    let pb = driver.progress_bar((n * c.group_size) as u64);
+    pb.set_message("refiner start: sampling");
+    let inputs = RefinerStartInputs {
+        config: c,
+        questions: &env.train,
+        tokenizer: &tok,
+        templates: &templates(r, &tok),
+        protocol: &r.search.batch.protocol,
+        reward: &r.search.batch.reward,
+        sampling: &r.search.sampling,
+        max_batch: r.search.max_batch,
+        on_search_error: r.search.batch.on_search_error,
+        search: &env.search,
+        lora: r.lora.as_ref(),
+        margin: r.search.batch.refiner.margin,
+        seed,
+    };
+    let mut phase = String::new();
+    let report =
+        crate::refiner_start::refiner_start(&inputs, model, &dir, |what, i, total, loss| {
+            if phase != what {
+                phase = what.to_string();
+                pb.set_length(total as u64);
+                pb.set_position(0);
+            }
+            pb.set_position(i as u64);
+            if loss.is_finite() {
+                pb.set_message(format!("refiner start: {what} loss {loss:.3}"));
+                if i % 10 == 0 {
+                    tracing::info!("refiner start {what} step {i}/{total}: loss {loss:.3}");
+                }
+            } else {
+                pb.set_message(format!("refiner start: {what}"));
+                tracing::info!("refiner start {what}: {i}/{total}");
+            }
+        })
+        .map_err(PipelineError::msg)?;
+    pb.finish_and_clear();
+    tracing::info!(
+        "refiner start done in {:.0}s (sampling {:.0}s, fine-tuning {:.0}s): {} of {} trajectories right, \
+         {} demonstrations, loss {:.3} -> {:.3}; held-out AUC {:.3} -> {:.3}, margin {}, revised right / \
+         wrong {:.2} / {:.2} -> {:.2} / {:.2}",
+        report.seconds,
+        report.sample_seconds,
+        report.train_seconds,
+        report.right,
+        report.trajectories,
+        report.examples,
+        report.loss_first,
+        report.loss_last,
+        report.auc_before,
+        report.auc_after,
+        report
+            .margin
+            .map(|m| format!("{m:.3}"))
+            .unwrap_or_else(|| "not calibrated".into()),
+        report.revise_right_before,
+        report.revise_wrong_before,
+        report.revise_right_after,
+        report.revise_wrong_after
+    );
+    std::fs::write(&key_path, &key).with_context(|| format!("writing {}", key_path.display()))?;
     start_policy(r, device)
+}
+
+/// The refiner margin GRPO uses: the refiner start's calibrated one when the recipe has a refiner
+/// start with `calibrate: true` and the calibration found one, else `search.batch.refiner.margin`.
+pub fn refiner_margin(r: &SearchRecipe) -> Result<f64> {
+    if r.refiner_start_active() && r.refiner_start.calibrate {
+        let report = crate::refiner_start::read_report(&r.refiner_start_dir())
+            .map_err(PipelineError::msg)?;
+        if let Some(m) = report.margin {
+            return Ok(m);
+        }
+    }
+    Ok(r.search.batch.refiner.margin)
 }
 
 /// The per-step callback of a warm or cold start: the loss on the bar, and in the log every `every`
@@ -538,7 +708,7 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
         return Ok(None);
     };
     let weights = if r.pretrained.is_empty() || r.warm_start.steps > 0 {
-        r.init_dir.join("model.safetensors")
+        r.policy_dir().join("model.safetensors")
     } else {
         match kiln_lm::zoo::resolve(&r.pretrained).map_err(PipelineError::msg)? {
             // One file stands for the folder: the weights, or the shard index of a sharded one.
@@ -561,6 +731,11 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
     } else {
         r.pretrained.clone()
     };
+    let name = if r.refiner_start_active() {
+        format!("{name} + refiner start")
+    } else {
+        name
+    };
     let file = weights
         .file_name()
         .map(|f| f.to_string_lossy().to_string())
@@ -577,11 +752,17 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
 /// model, or its cold start in `init_dir` with the pre-trained tokenizer (see [`load_policy`], which
 /// creates what is missing and then calls this; `kiln eval` calls it directly).
 pub fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, Tokenizer)> {
+    load_from(r, device, &r.policy_dir())
+}
+
+/// [`start_policy`] with the weights of `dir` (the warm / cold start's `init_dir`, or the refiner
+/// start's folder); the from-scratch tokenizer always comes from `init_dir`.
+fn load_from(r: &SearchRecipe, device: &Device, dir: &Path) -> Result<(Transformer, Tokenizer)> {
     if r.pretrained.is_empty() {
         let tok = Tokenizer::from_hf_dir(&r.init_dir)
             .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
-        let model = kiln_lm::load_hf_dir(&r.init_dir, device)
-            .with_context(|| format!("loading {}", r.init_dir.display()))?;
+        let model = kiln_lm::load_hf_dir(dir, device)
+            .with_context(|| format!("loading {}", dir.display()))?;
         Ok((model, tok))
     } else if r.warm_start.steps == 0 {
         kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
@@ -589,11 +770,11 @@ pub fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, T
     } else {
         let tok = kiln_lm::zoo::load_tokenizer(&r.pretrained)
             .with_context(|| format!("loading the tokenizer of {}", r.pretrained))?;
-        let model = kiln_lm::load_hf_dir(&r.init_dir, device).with_context(|| {
+        let model = kiln_lm::load_hf_dir(dir, device).with_context(|| {
             format!(
                 "loading the cold start of {} from {}",
                 r.pretrained,
-                r.init_dir.display()
+                dir.display()
             )
         })?;
         Ok((model, tok))
@@ -636,8 +817,17 @@ pub fn train(
             "off"
         }
     );
+    let mut search_cfg = r.search.clone();
+    let margin = refiner_margin(r)?;
+    if margin != search_cfg.batch.refiner.margin {
+        tracing::info!(
+            "refiner margin {margin:.3} (calibrated by the refiner start; the recipe says {})",
+            search_cfg.batch.refiner.margin
+        );
+        search_cfg.batch.refiner.margin = margin;
+    }
     let mut task = SearchTask::new(
-        r.search.clone(),
+        search_cfg,
         tok.clone(),
         templates(r, &tok),
         env.search.clone(),

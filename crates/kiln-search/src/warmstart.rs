@@ -205,7 +205,8 @@ pub fn train_tokenizer(world: &World, vocab_size: usize, dir: &Path) -> Result<T
     Tokenizer::from_hf_dir(dir).map_err(|e| Error::Invalid(format!("tokenizer: {e}")))
 }
 
-fn example_from(
+/// One supervised sequence: `prompt_ids` (not trained on) followed by the tokens of `target` (trained on).
+pub fn example_from(
     tok: &Tokenizer,
     prompt_ids: Vec<u32>,
     target: &str,

@@ -86,6 +86,9 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
     {
         return Err(bad("lora", e));
     }
+    if let Err(e) = r.refiner_start.validate() {
+        return Err(bad("refiner_start", e.to_string()));
+    }
     if !(r.search.batch.refiner.margin.is_finite()) {
         return Err(bad(
             "search.batch.refiner.margin",
