@@ -221,6 +221,10 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
         ("search.batch.refinr.enabled=false", "refinr"),
         ("final_eval.modes=[agent, oracle]", "unknown mode `oracle`"),
         (
+            "refiner_start={questions: 8, holdout: 1.5}",
+            "holdout must be in [0, 1)",
+        ),
+        (
             "search.sampling.max_new_tokens=0",
             "max_new_tokens must be at least 1",
         ),
@@ -266,6 +270,32 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     assert!(!out.status.success());
     assert!(text(&out).contains("/nonexistent/index"), "{}", text(&out));
     assert!(!text(&out).contains("panicked"), "{}", text(&out));
+}
+
+/// The refiner start on a policy that answers nothing right (the tiny agent after 6 warm-start steps):
+/// there is no "accept" example to learn from, so the run stops with an error that says so and how to
+/// fix it, and leaves no refiner-start folder behind; the warm start it sampled from is kept.
+#[test]
+fn refiner_start_without_a_right_trajectory_is_a_clear_error() {
+    let p = scratch_project();
+    let out = run_kiln(
+        p.path(),
+        &args(
+            "recipes/search_r2_tiny.yaml",
+            &[
+                "--set",
+                "refiner_start={questions: 4, group_size: 2, epochs: 1}",
+            ],
+        ),
+    );
+    assert!(!out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("were all wrong"), "{t}");
+    assert!(t.contains("refiner_start.questions"), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+    assert!(p.path().join("runs/search/warm-start/model.safetensors").is_file());
+    assert!(!p.path().join("runs/search/warm-start-refiner").exists());
+    assert!(!p.path().join("runs/search/warm-start-refiner.tmp").exists());
 }
 
 /// The default `recipes/search_r2.yaml` as shipped (its `pretrained:` name is the one `just setup` records),
