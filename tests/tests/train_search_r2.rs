@@ -293,7 +293,11 @@ fn refiner_start_without_a_right_trajectory_is_a_clear_error() {
     assert!(t.contains("were all wrong"), "{t}");
     assert!(t.contains("refiner_start.questions"), "{t}");
     assert!(!t.contains("panicked"), "{t}");
-    assert!(p.path().join("runs/search/warm-start/model.safetensors").is_file());
+    assert!(
+        p.path()
+            .join("runs/search/warm-start/model.safetensors")
+            .is_file()
+    );
     assert!(!p.path().join("runs/search/warm-start-refiner").exists());
     assert!(!p.path().join("runs/search/warm-start-refiner.tmp").exists());
 }

@@ -25,6 +25,7 @@ use kiln_search::agent::{LmActor, LmRefiner};
 use kiln_search::pipeline::{self, SearchRecipe};
 use kiln_search::protocol::Episode;
 use kiln_search::refiner::{build_refiner_prompt, candidate_texts};
+use kiln_search::refiner_start::auc;
 use kiln_search::reward::{DeterministicJudge, score};
 use kiln_search::rollout::run_episodes;
 use kiln_search::task::{RefinerRequest, RefinerScorer};
@@ -77,26 +78,6 @@ impl Class {
             self.revised as f64 / n
         )
     }
-}
-
-/// Area under the ROC curve of `scores` for positives vs negatives (ties count one half).
-fn auc(pos: &[f64], neg: &[f64]) -> f64 {
-    if pos.is_empty() || neg.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = 0.0;
-    for p in pos {
-        for n in neg {
-            s += if p > n {
-                1.0
-            } else if p == n {
-                0.5
-            } else {
-                0.0
-            };
-        }
-    }
-    s / (pos.len() * neg.len()) as f64
 }
 
 /// Fine-tunes `model` on refiner demonstrations only (see the module docs); returns the merged model.
