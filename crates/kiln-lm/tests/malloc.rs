@@ -44,8 +44,17 @@ fn main() {
         kept < pages / 20,
         "a freed 48 MiB block should be reused without faults: {kept} faults for {pages} pages (default: {default})"
     );
+    // Handing the kept memory back: the next use of the block faults its pages in again.
+    assert!(kiln_lm::malloc::release_freed_memory());
+    let before = minor_faults();
+    drop(std::hint::black_box(vec![1u8; n]));
+    let after_release = minor_faults() - before;
+    assert!(
+        after_release > pages / 2,
+        "release_freed_memory should give the 48 MiB back to the kernel: {after_release} faults for {pages} pages on the next use"
+    );
     println!(
-        "malloc: second use of a 48 MiB block: {default} page faults by default, {kept} with keep_freed_memory"
+        "malloc: second use of a 48 MiB block: {default} page faults by default, {kept} with keep_freed_memory, {after_release} after release_freed_memory"
     );
 }
 

@@ -845,6 +845,8 @@ pub fn train(
         task = task.with_judge_model(jm, jt);
     }
     driver.train(task, model, ad)?;
+    // The final table needs a fraction of training's memory: hand the kept pages back to the kernel.
+    kiln_lm::malloc::release_freed_memory();
     if r.final_eval.questions > 0 {
         let ckpt = kiln_rl::checkpoint::CheckpointManager::resolve(run_dir)?;
         let n = r.final_eval.questions.min(env.test.len());
