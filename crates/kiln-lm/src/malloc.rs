@@ -12,7 +12,8 @@
 //! default, back to back): the LoRA update of 2 x 1,042 tokens (second of two) 40.3 / 38.5 s -> 21.6 / 19.4 s,
 //! peak RSS +3%; the 4 x 256 train step, full 9.5 -> 8.5 s (peak RSS +17%, 3.7 -> 4.4 GB), LoRA 9.2 -> 7.7 s
 //! (+5%); generation unchanged. The process keeps its high-water mark instead of returning memory between
-//! steps, and fragmentation costs some of it.
+//! steps, and fragmentation costs some of it; [`release_freed_memory`] hands it back where a phase ends
+//! (the search pipeline calls it between training and the final table).
 //!
 //! A hand-written call rather than a crate: the two `mallopt` settings are the whole change (a replacement
 //! allocator such as jemalloc, tried with its decay and oversize arena turned off, was slower and used ~10%
