@@ -525,7 +525,7 @@ fn finish_start(
         .unwrap_or_default();
         kiln_rl::digest::fnv1a_hex(text.as_bytes())
     };
-    let key_path = dir.join("refiner_start.key");
+    let key_path = dir.join(crate::refiner_start::KEY_FILE);
     if dir.join("config.json").is_file() {
         match std::fs::read_to_string(&key_path) {
             Ok(found) if found.trim() == key => {
@@ -569,6 +569,7 @@ fn finish_start(
         lora: r.lora.as_ref(),
         margin: r.search.batch.refiner.margin,
         seed,
+        key: &key,
     };
     let mut phase = String::new();
     let report =
@@ -614,7 +615,6 @@ fn finish_start(
         report.revise_right_after,
         report.revise_wrong_after
     );
-    std::fs::write(&key_path, &key).with_context(|| format!("writing {}", key_path.display()))?;
     start_policy(r, device)
 }
 

@@ -157,6 +157,9 @@ pub struct RefinerStartReport {
 /// The report's file name inside the refiner-start folder.
 pub const REPORT_FILE: &str = "refiner_start.json";
 
+/// The settings key's file name inside the refiner-start folder.
+pub const KEY_FILE: &str = "refiner_start.key";
+
 /// The label of one sampled trajectory: 0 when its answer is right (`em`), else the 1-based index of its
 /// first bad step: a search whose passages hold no supporting passage not already retrieved (with no
 /// supporting ids in `gold`: no passage containing a gold alias, normalised), an invalid turn, or the
@@ -315,6 +318,9 @@ pub struct RefinerStartInputs<'a> {
     pub margin: f64,
     /// Seed of the sampling, the split, the balancing and the batches.
     pub seed: u64,
+    /// Written as [`KEY_FILE`] inside the folder before it is moved into place (what the stage was made
+    /// under, so that a later run can refuse other settings; the folder never exists without it).
+    pub key: &'a str,
 }
 
 /// Runs the stage (module docs) on `model` (on an autodiff device) and saves the result into `dir`.
@@ -486,7 +492,7 @@ pub fn refiner_start(
         train_seconds,
         seconds: start.elapsed().as_secs_f64(),
     };
-    save(&m, &report, dir)?;
+    save(&m, &report, inp.key, dir)?;
     Ok(report)
 }
 
@@ -534,7 +540,12 @@ pub fn read_report(dir: &Path) -> Result<RefinerStartReport, Error> {
     })
 }
 
-fn save(model: &Transformer, report: &RefinerStartReport, dir: &Path) -> Result<(), Error> {
+fn save(
+    model: &Transformer,
+    report: &RefinerStartReport,
+    key: &str,
+    dir: &Path,
+) -> Result<(), Error> {
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     kiln_lm::save_hf_dir(model, &tmp)
@@ -542,6 +553,8 @@ fn save(model: &Transformer, report: &RefinerStartReport, dir: &Path) -> Result<
     let rp = tmp.join(REPORT_FILE);
     let json = serde_json::to_string_pretty(report).map_err(|e| Error::Invalid(e.to_string()))?;
     std::fs::write(&rp, json).map_err(|e| Error::io(&rp, e))?;
+    let kp = tmp.join(KEY_FILE);
+    std::fs::write(&kp, key).map_err(|e| Error::io(&kp, e))?;
     let _ = std::fs::remove_dir_all(dir);
     if let Some(parent) = dir.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
