@@ -372,6 +372,8 @@ fn generate_inner(
     } else {
         KvCache::new(n_layers)
     };
+    // Room for the prefill and every decode step: no buffer is reallocated while decoding.
+    cache.reserve(max_len + cfg.max_new_tokens);
     let hidden = model.forward_cached(
         int2(&device, toks, [n, max_len]),
         int2(&device, positions, [n, max_len]),
