@@ -26,10 +26,9 @@ fn main() {
         .get(2)
         .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_else(|| vec![64, 512, 1024]);
-    let path = std::env::var("KILN_SMOLLM2_GGUF")
-        .map(std::path::PathBuf::from)
+    let path = zoo::smollm2_gguf()
         .ok()
-        .or_else(|| zoo::lookup_name("smollm2-135m").ok().flatten())
+        .flatten()
         .expect("SmolLM2 GGUF not found: run `just setup`");
     let threads = rayon::current_num_threads();
     let device = Device::flex();

@@ -16,10 +16,9 @@ use rand::{Rng, SeedableRng};
 fn main() {
     // The allocator setting the kiln binary runs with (`KILN_MALLOC=system` measures without it).
     kiln_lm::malloc::keep_freed_memory();
-    let path = std::env::var("KILN_SMOLLM2_GGUF")
-        .map(std::path::PathBuf::from)
+    let path = zoo::smollm2_gguf()
         .ok()
-        .or_else(|| zoo::lookup_name("smollm2-135m").ok().flatten())
+        .flatten()
         .expect("SmolLM2 GGUF not found: run `just setup`");
     let threads = rayon::current_num_threads();
     let device = Device::flex();

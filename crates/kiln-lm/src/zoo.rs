@@ -109,6 +109,15 @@ pub fn lookup_name(name: &str) -> Result<Option<PathBuf>, ZooError> {
     Ok(None)
 }
 
+/// The SmolLM2-135M-Instruct GGUF the tests and benches use: `KILN_SMOLLM2_GGUF` when set, else
+/// the `smollm2-135m` that `just setup` recorded (`None` when neither).
+pub fn smollm2_gguf() -> Result<Option<PathBuf>, ZooError> {
+    match std::env::var_os("KILN_SMOLLM2_GGUF") {
+        Some(p) => Ok(Some(PathBuf::from(p))),
+        None => lookup_name("smollm2-135m"),
+    }
+}
+
 /// Resolve a model spec: an existing folder or `.gguf` path, or a recorded name.
 pub fn resolve(spec: &str) -> Result<ModelSource, ZooError> {
     let p = Path::new(spec);

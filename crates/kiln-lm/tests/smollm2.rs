@@ -10,16 +10,13 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 use kiln_lm::gguf::GgufFile;
-use kiln_lm::zoo::lookup_name;
+use kiln_lm::zoo::smollm2_gguf;
 use kiln_lm::{SamplingConfig, Tokenizer, generate, load_gguf};
 use rand::SeedableRng;
 use serde::Deserialize;
 
 fn gguf_path() -> PathBuf {
-    if let Ok(p) = std::env::var("KILN_SMOLLM2_GGUF") {
-        return PathBuf::from(p);
-    }
-    match lookup_name("smollm2-135m") {
+    match smollm2_gguf() {
         Ok(Some(p)) => p,
         _ => panic!(
             "SmolLM2-135M-Instruct GGUF not found (.kiln/models.json has no `smollm2-135m`): run `just setup-test`"
@@ -187,10 +184,7 @@ fn cli_generate_runs_on_the_recorded_model() {
 
 /// The recorded SmolLM2 GGUF, or `None` (after saying so) when `just setup` has not installed it.
 fn gguf_or_skip(test: &str) -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("KILN_SMOLLM2_GGUF") {
-        return Some(PathBuf::from(p));
-    }
-    match lookup_name("smollm2-135m") {
+    match smollm2_gguf() {
         Ok(Some(p)) => Some(p),
         _ => {
             eprintln!(
