@@ -272,6 +272,42 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     assert!(!text(&out).contains("panicked"), "{}", text(&out));
 }
 
+/// `kiln eval RECIPE` on a fresh project: the recipe's starting policy (here the tiny warm start) does
+/// not exist yet, so it is made first, as `kiln train` would, then evaluated; a second call reuses it.
+#[test]
+fn kiln_eval_of_a_recipe_makes_its_missing_start_first() {
+    let p = scratch_project();
+    let mut a = vec!["eval", "recipes/search_r1_tiny.yaml"];
+    a.extend_from_slice(SMALL);
+    a.extend_from_slice(&[
+        "--task",
+        "qa",
+        "--data",
+        "synthetic",
+        "--mode",
+        "agent",
+        "--limit",
+        "3",
+    ]);
+    let out = run_kiln(p.path(), &a);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("| synthetic-test | agent | 3 |"),
+        "{}",
+        text(&out)
+    );
+    let ws = p.path().join("runs/search/warm-start/model.safetensors");
+    assert!(
+        p.path()
+            .join("runs/search/warm-start/warm_start.json")
+            .is_file()
+    );
+    let made = std::fs::metadata(&ws).unwrap().modified().unwrap();
+    let out = run_kiln(p.path(), &a);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::metadata(&ws).unwrap().modified().unwrap(), made);
+}
+
 /// The refiner start on a policy that answers nothing right (the tiny agent after 6 warm-start steps):
 /// there is no "accept" example to learn from, so the run stops with an error that says so and how to
 /// fix it, and leaves no refiner-start folder behind; the warm start it sampled from is kept.

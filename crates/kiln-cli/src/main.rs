@@ -40,7 +40,8 @@ enum Command {
     /// Evaluate a checkpoint (or the newest checkpoint of a run directory).
     Eval {
         /// `runs/<run>/checkpoints/step-N` or `runs/<run>`; or a recipe file (`search_r2` task):
-        /// its policy before training (warm / cold start), into a new `<name>-start-<time>` run.
+        /// its policy before training (warm / cold start, refiner start; made first when missing,
+        /// as `kiln train` would), into a new `<name>-start-<time>` run.
         checkpoint: PathBuf,
         /// Override a field of the run's recipe for evaluation (e.g. `sequence.eval_prompts=512`).
         #[arg(long = "set", value_name = "KEY.PATH=VALUE")]

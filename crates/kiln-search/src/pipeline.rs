@@ -385,14 +385,17 @@ fn with_lora(r: &SearchRecipe, model: Transformer, device: &Device, seed: u64) -
     }
 }
 
-/// Loads the policy (pre-trained, or the warm start, creating it when absent) on `device`; the
-/// warm start draws its progress on `driver`'s bar.
+/// A progress bar of `len` steps for a supervised stage (the binary's draws on the terminal).
+pub type ProgressBars<'a> = dyn FnMut(u64) -> indicatif::ProgressBar + 'a;
+
+/// Loads the policy (pre-trained, or the warm / cold start and the refiner start, creating each
+/// when absent) on the autodiff `device`; the start stages draw their progress on `bar(len)`.
 pub fn load_policy(
     r: &SearchRecipe,
     env: &Env,
     device: &Device,
     seed: u64,
-    driver: &mut impl Driver,
+    bar: &mut ProgressBars<'_>,
 ) -> Result<(Transformer, Tokenizer)> {
     if !r.pretrained.is_empty() {
         if r.warm_start.steps == 0 {
@@ -417,7 +420,7 @@ pub fn load_policy(
                 },
                 dir.display()
             );
-            let pb = driver.progress_bar(r.warm_start.steps as u64);
+            let pb = bar(r.warm_start.steps as u64);
             pb.set_message("cold start");
             let report = crate::warmstart::cold_start(
                 world,
@@ -449,7 +452,7 @@ pub fn load_policy(
         } else {
             check_key(dir, &key)?;
         }
-        return finish_start(r, env, device, seed, &key, driver);
+        return finish_start(r, env, device, seed, &key, bar);
     }
     let dir = &r.init_dir;
     let key_path = dir.join("warm_start.key");
@@ -463,7 +466,7 @@ pub fn load_policy(
             r.model.num_hidden_layers,
             dir.display()
         );
-        let pb = driver.progress_bar(r.warm_start.steps as u64);
+        let pb = bar(r.warm_start.steps as u64);
         pb.set_message("warm start");
         let ad = device.clone().autodiff();
         let report = warm_start(
@@ -492,7 +495,7 @@ pub fn load_policy(
     } else {
         check_key(dir, &key)?;
     }
-    finish_start(r, env, device, seed, &key, driver)
+    finish_start(r, env, device, seed, &key, bar)
 }
 
 /// The last part of [`load_policy`]: the refiner start when the recipe has one (made when its folder
@@ -503,7 +506,7 @@ fn finish_start(
     device: &Device,
     seed: u64,
     start_key: &str,
-    driver: &mut impl Driver,
+    bar: &mut ProgressBars<'_>,
 ) -> Result<(Transformer, Tokenizer)> {
     if !r.refiner_start_active() {
         return start_policy(r, device);
@@ -553,7 +556,7 @@ fn finish_start(
         c.epochs,
         dir.display()
     );
-    let pb = driver.progress_bar((n * c.group_size) as u64);
+    let pb = bar((n * c.group_size) as u64);
     pb.set_message("refiner start: sampling");
     let inputs = RefinerStartInputs {
         config: c,
@@ -748,6 +751,27 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
     )))
 }
 
+/// Makes what the recipe's policy starts from and is missing (the warm / cold start in `init_dir`,
+/// then the refiner start), exactly as `kiln train` with run seed `seed` would, so that `kiln eval
+/// RECIPE.yaml` can evaluate it before any training run; a no-op when both exist with this recipe's
+/// settings, an error when they were made under other settings.
+pub fn make_start(
+    r: &SearchRecipe,
+    device: &Device,
+    seed: u64,
+    bar: &mut ProgressBars<'_>,
+) -> Result<()> {
+    let needs_start = r.pretrained.is_empty() || r.warm_start.steps > 0;
+    let missing = !r.init_dir.join("config.json").is_file()
+        || (r.refiner_start_active() && !r.refiner_start_dir().join("config.json").is_file());
+    if !needs_start || !missing {
+        return Ok(());
+    }
+    device.seed(seed);
+    let env = env(r)?;
+    load_policy(r, &env, &device.clone().autodiff(), seed, bar).map(|_| ())
+}
+
 /// The policy's weights and tokenizer before GRPO: the warm start in `init_dir`, the pre-trained
 /// model, or its cold start in `init_dir` with the pre-trained tokenizer (see [`load_policy`], which
 /// creates what is missing and then calls this; `kiln eval` calls it directly).
@@ -758,6 +782,23 @@ pub fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, T
 /// [`start_policy`] with the weights of `dir` (the warm / cold start's `init_dir`, or the refiner
 /// start's folder); the from-scratch tokenizer always comes from `init_dir`.
 fn load_from(r: &SearchRecipe, device: &Device, dir: &Path) -> Result<(Transformer, Tokenizer)> {
+    let made_here = r.pretrained.is_empty() || r.warm_start.steps > 0;
+    if made_here && !dir.join("config.json").is_file() {
+        let what = if dir == r.init_dir {
+            if r.pretrained.is_empty() {
+                "the warm start".to_string()
+            } else {
+                format!("the cold start of {}", r.pretrained)
+            }
+        } else {
+            "the refiner start".to_string()
+        };
+        return Err(PipelineError(format!(
+            "{what} is not in {} (no config.json): `kiln train` or `kiln eval` of the recipe makes it \
+             (or point init_dir / refiner_start.dir at the folder that holds it)",
+            dir.display()
+        )));
+    }
     if r.pretrained.is_empty() {
         let tok = Tokenizer::from_hf_dir(&r.init_dir)
             .with_context(|| format!("loading the tokenizer of {}", r.init_dir.display()))?;
@@ -800,7 +841,7 @@ pub fn train(
         )));
     }
     let ad = device.clone().autodiff();
-    let (model, tok) = load_policy(r, &env, &ad, seed, driver)?;
+    let (model, tok) = load_policy(r, &env, &ad, seed, &mut |n| driver.progress_bar(n))?;
     let model = with_lora(r, model, &ad, seed);
     tracing::info!(
         "search_r2: policy {} parameters, {} training questions, refiner {}, process reward {}",

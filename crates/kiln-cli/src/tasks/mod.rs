@@ -501,7 +501,8 @@ fn eval_start(req: &EvalRequest) -> anyhow::Result<BTreeMap<String, f64>> {
     let task = check_task(&raw)?;
     if task.name() != "search_r2" {
         anyhow::bail!(
-            "`kiln eval {}`: evaluating a recipe's policy before training is supported for task              search_r2, not `{}`; give a checkpoint (`kiln eval runs/<run>`) instead",
+            "`kiln eval {}`: evaluating a recipe's policy before training is supported for task \
+             search_r2, not `{}`; give a checkpoint (`kiln eval runs/<run>`) instead",
             req.checkpoint.display(),
             task.name()
         );

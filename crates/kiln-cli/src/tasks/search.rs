@@ -172,6 +172,15 @@ impl CliTask for SearchR2 {
     }
     fn eval(&self, r: &SearchRecipe, at: &EvalAt<'_>) -> anyhow::Result<BTreeMap<String, f64>> {
         let q = at.req;
+        if !at.ckpt.exists() {
+            // `kiln eval RECIPE.yaml`: the policy before training, made first when it is missing.
+            pipeline::make_start(
+                r,
+                &at.device()?,
+                at.common.seed,
+                &mut crate::run::progress_bar,
+            )?;
+        }
         match q.task.as_deref() {
             None | Some("qa") | Some("search_r2") => pipeline::eval_qa(
                 r,
