@@ -45,6 +45,27 @@ fn eval_synthetic(project: &Path, run: &Path, modes: &str, extra: &[&str]) {
     assert!(text(&out).contains(&row), "{}", text(&out));
 }
 
+/// `kiln eval recipes/search_r1_tiny.yaml` (small world, agent mode, 3 test questions) succeeds and
+/// prints its row: the recipe's policy before training, into a `search_r1_tiny-start-*` run.
+fn eval_tiny_r1_recipe(project: &Path) {
+    let mut a = vec!["eval", "recipes/search_r1_tiny.yaml"];
+    a.extend_from_slice(SMALL);
+    a.extend_from_slice(&[
+        "--task",
+        "qa",
+        "--data",
+        "synthetic",
+        "--mode",
+        "agent",
+        "--limit",
+        "3",
+    ]);
+    let out = run_kiln(project, &a);
+    assert!(out.status.success(), "{}", text(&out));
+    let row = "| synthetic-test | agent | 3 |";
+    assert!(text(&out).contains(row), "{}", text(&out));
+}
+
 /// The first file called `name` below `dir`.
 fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
     for e in std::fs::read_dir(dir).ok()?.flatten() {
@@ -188,25 +209,7 @@ fn search_r2_trains_evaluates_and_reports() {
         "refiner must be off"
     );
     // `kiln eval RECIPE`: the policy before training (the warm start), into a run of its own.
-    let mut a = vec!["eval", "recipes/search_r1_tiny.yaml"];
-    a.extend_from_slice(SMALL);
-    a.extend_from_slice(&[
-        "--task",
-        "qa",
-        "--data",
-        "synthetic",
-        "--mode",
-        "agent",
-        "--limit",
-        "3",
-    ]);
-    let out = run_kiln(p.path(), &a);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("| synthetic-test | agent | 3 |"),
-        "{}",
-        text(&out)
-    );
+    eval_tiny_r1_recipe(p.path());
     let start = run_dir(p.path(), "search_r1_tiny-start");
     assert!(start.join("recipe.yaml").is_file());
     assert!(find_file(&start.join("eval"), "report.md").is_some());
@@ -277,25 +280,7 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
 #[test]
 fn kiln_eval_of_a_recipe_makes_its_missing_start_first() {
     let p = scratch_project();
-    let mut a = vec!["eval", "recipes/search_r1_tiny.yaml"];
-    a.extend_from_slice(SMALL);
-    a.extend_from_slice(&[
-        "--task",
-        "qa",
-        "--data",
-        "synthetic",
-        "--mode",
-        "agent",
-        "--limit",
-        "3",
-    ]);
-    let out = run_kiln(p.path(), &a);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("| synthetic-test | agent | 3 |"),
-        "{}",
-        text(&out)
-    );
+    eval_tiny_r1_recipe(p.path());
     let ws = p.path().join("runs/search/warm-start/model.safetensors");
     assert!(
         p.path()
@@ -303,8 +288,7 @@ fn kiln_eval_of_a_recipe_makes_its_missing_start_first() {
             .is_file()
     );
     let made = std::fs::metadata(&ws).unwrap().modified().unwrap();
-    let out = run_kiln(p.path(), &a);
-    assert!(out.status.success(), "{}", text(&out));
+    eval_tiny_r1_recipe(p.path());
     assert_eq!(std::fs::metadata(&ws).unwrap().modified().unwrap(), made);
 }
 
