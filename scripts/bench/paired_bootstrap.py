@@ -9,6 +9,9 @@ questions both have (paired bootstrap over questions; won / lost = questions onl
 
   python3 scripts/bench/paired_bootstrap.py cold=runs/A/eval r2=runs/B/eval --base cold:agent
 
+A training run's final table names its set `heldout`; `kiln eval --data synthetic` names the same
+questions `synthetic-test`: --alias heldout=synthetic-test pairs the two.
+
 Resamples: --resamples (2,000), seed 0. Standard library only.
 """
 import argparse
@@ -18,7 +21,7 @@ import pathlib
 import random
 
 
-def load(path):
+def load(path, alias):
     p = pathlib.Path(path)
     files = [p] if p.is_file() else sorted(p.rglob("transcripts.jsonl"))
     if not files:
@@ -31,7 +34,8 @@ def load(path):
                 continue
             try:
                 r = json.loads(line)
-                rows[(r["dataset"], r["mode"], str(r["id"]))] = float(r["em"])
+                ds = alias.get(r["dataset"], r["dataset"])
+                rows[(ds, r["mode"], str(r["id"]))] = float(r["em"])
             except (ValueError, KeyError, TypeError) as e:
                 raise SystemExit(f"{f}:{n}: not a transcript record ({e})")
     return rows
@@ -48,13 +52,21 @@ def main():
     ap.add_argument("systems", nargs="+", help="LABEL=PATH")
     ap.add_argument("--base", help="LABEL[:MODE] to compare every other system's agent row with")
     ap.add_argument("--resamples", type=int, default=2000)
+    ap.add_argument("--alias", action="append", default=[], metavar="NAME=NAME",
+                    help="read the dataset NAME as the other NAME (e.g. heldout=synthetic-test)")
     args = ap.parse_args()
+    alias = {}
+    for a in args.alias:
+        src, _, dst = a.partition("=")
+        if not src or not dst:
+            raise SystemExit(f"--alias {a!r}: expected NAME=NAME")
+        alias[src] = dst
     systems = {}
     for s in args.systems:
         label, _, path = s.partition("=")
         if not path:
             raise SystemExit(f"{s!r}: expected LABEL=PATH")
-        systems[label] = load(path)
+        systems[label] = load(path, alias)
     rng = random.Random(0)
     print("| system | dataset | mode | n | EM % (95% CI) |")
     print("|---|---|---|---:|---|")
