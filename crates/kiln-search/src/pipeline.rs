@@ -498,6 +498,27 @@ pub fn load_policy(
     finish_start(r, env, device, seed, &key, bar)
 }
 
+/// The key of the refiner start made from the start policy with key `start_key` under `r`'s settings.
+fn refiner_start_key(r: &SearchRecipe, start_key: &str) -> String {
+    let text = serde_json::to_string(&(
+        start_key,
+        &r.refiner_start.questions,
+        &r.refiner_start.group_size,
+        &r.refiner_start.holdout,
+        &r.refiner_start.epochs,
+        &r.refiner_start.batch_size,
+        &r.refiner_start.lr,
+        &r.search.sampling,
+        // The labels read EM only, which the reward settings do not change: the default stands
+        // in for them, so that Search-R2 and its `process: false` ablation share one refiner
+        // start, and folders made before keep their key (it was the recipe's reward, default).
+        &crate::reward::RewardConfig::default(),
+        &r.train_data,
+    ))
+    .unwrap_or_default();
+    kiln_rl::digest::fnv1a_hex(text.as_bytes())
+}
+
 /// The last part of [`load_policy`]: the refiner start when the recipe has one (made when its folder
 /// is missing, refused when it was made under other settings), then the policy.
 fn finish_start(
@@ -512,22 +533,7 @@ fn finish_start(
         return start_policy(r, device);
     }
     let dir = r.refiner_start_dir();
-    let key = {
-        let text = serde_json::to_string(&(
-            start_key,
-            &r.refiner_start.questions,
-            &r.refiner_start.group_size,
-            &r.refiner_start.holdout,
-            &r.refiner_start.epochs,
-            &r.refiner_start.batch_size,
-            &r.refiner_start.lr,
-            &r.search.sampling,
-            &r.search.batch.reward,
-            &r.train_data,
-        ))
-        .unwrap_or_default();
-        kiln_rl::digest::fnv1a_hex(text.as_bytes())
-    };
+    let key = refiner_start_key(r, start_key);
     let key_path = dir.join(crate::refiner_start::KEY_FILE);
     if dir.join("config.json").is_file() {
         match std::fs::read_to_string(&key_path) {
@@ -538,7 +544,7 @@ fn finish_start(
             _ => {
                 return Err(PipelineError(format!(
                     "{} was made by a refiner start under other settings (the start policy, refiner_start, \
-                     search.sampling, the reward or the training data differ from this recipe): delete that \
+                     search.sampling or the training data differ from this recipe): delete that \
                      folder to redo it, or set refiner_start.dir to a new folder",
                     dir.display()
                 )));
@@ -1088,6 +1094,40 @@ fn parse_modes(mode: Option<&str>) -> Result<Vec<EvalMode>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The refiner start's key ignores the reward settings (its labels read EM only) and is the key
+    /// the default recipe's folders already hold: c48c04ab218c56f4 is what the previous code wrote
+    /// for these settings (FNV-1a of the settings' JSON, recomputed independently in Python).
+    #[test]
+    fn refiner_start_key_is_stable_and_ignores_the_reward() {
+        let recipe = |process: bool, questions: usize| -> SearchRecipe {
+            serde_json::from_value(serde_json::json!({
+                "train_data": "synthetic",
+                "refiner_start": {"questions": questions, "group_size": 4, "holdout": 0.25, "epochs": 3,
+                                  "batch_size": 4, "lr": 0.0005},
+                "search": {"sampling": {"max_new_tokens": 48, "temperature": 1.0},
+                           "batch": {"reward": {"process": process}}},
+            }))
+            .unwrap()
+        };
+        let start = "8adaf7803071ba38";
+        assert_eq!(
+            refiner_start_key(&recipe(true, 48), start),
+            "c48c04ab218c56f4"
+        );
+        assert_eq!(
+            refiner_start_key(&recipe(false, 48), start),
+            "c48c04ab218c56f4"
+        );
+        assert_ne!(
+            refiner_start_key(&recipe(true, 47), start),
+            "c48c04ab218c56f4"
+        );
+        assert_ne!(
+            refiner_start_key(&recipe(true, 48), "other"),
+            "c48c04ab218c56f4"
+        );
+    }
 
     #[test]
     fn retriever_is_a_string_or_a_local_index_with_its_kind() {
