@@ -143,11 +143,15 @@ impl Default for SearchRecipe {
 }
 
 impl SearchRecipe {
+    /// True when the policy starts from weights this pipeline makes into `init_dir` (the warm start
+    /// of the tiny model, or the cold start of `pretrained`), not from the pre-trained model as is.
+    pub fn makes_start(&self) -> bool {
+        self.pretrained.is_empty() || self.warm_start.steps > 0
+    }
+
     /// True when the refiner start runs (see `refiner_start`).
     pub fn refiner_start_active(&self) -> bool {
-        self.refiner_start.questions > 0
-            && self.search.batch.refiner.enabled
-            && (self.pretrained.is_empty() || self.warm_start.steps > 0)
+        self.refiner_start.questions > 0 && self.search.batch.refiner.enabled && self.makes_start()
     }
 
     /// The folder of the refiner start (`refiner_start.dir`, default `init_dir` + `-refiner`).
@@ -716,7 +720,7 @@ fn lora_base(r: &SearchRecipe) -> Result<Option<String>> {
     let Some(l) = &r.lora else {
         return Ok(None);
     };
-    let weights = if r.pretrained.is_empty() || r.warm_start.steps > 0 {
+    let weights = if r.makes_start() {
         r.policy_dir().join("model.safetensors")
     } else {
         match kiln_lm::zoo::resolve(&r.pretrained).map_err(PipelineError::msg)? {
@@ -767,10 +771,9 @@ pub fn make_start(
     seed: u64,
     bar: &mut ProgressBars<'_>,
 ) -> Result<()> {
-    let needs_start = r.pretrained.is_empty() || r.warm_start.steps > 0;
     let missing = !r.init_dir.join("config.json").is_file()
         || (r.refiner_start_active() && !r.refiner_start_dir().join("config.json").is_file());
-    if !needs_start || !missing {
+    if !r.makes_start() || !missing {
         return Ok(());
     }
     device.seed(seed);
@@ -788,8 +791,7 @@ pub fn start_policy(r: &SearchRecipe, device: &Device) -> Result<(Transformer, T
 /// [`start_policy`] with the weights of `dir` (the warm / cold start's `init_dir`, or the refiner
 /// start's folder); the from-scratch tokenizer always comes from `init_dir`.
 fn load_from(r: &SearchRecipe, device: &Device, dir: &Path) -> Result<(Transformer, Tokenizer)> {
-    let made_here = r.pretrained.is_empty() || r.warm_start.steps > 0;
-    if made_here && !dir.join("config.json").is_file() {
+    if r.makes_start() && !dir.join("config.json").is_file() {
         let what = if dir == r.init_dir {
             if r.pretrained.is_empty() {
                 "the warm start".to_string()
