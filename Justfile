@@ -52,6 +52,11 @@ train RECIPE *ARGS: build
 eval *ARGS: build
     {{kiln}} eval {{ARGS}}
 
+# BM25 index of the shared Wikipedia corpus into runs/index/wiki: the retriever of the real-data
+# evaluation (`kiln eval ... --retriever runs/index/wiki`) and of recipes/search_r1_real.yaml.
+index-wiki DATASETS="../shared/datasets": build
+    {{kiln}} index --corpus {{DATASETS}}/corpus/wiki_passages_14k.jsonl --corpus {{DATASETS}}/corpus/gold_context_union.jsonl --out runs/index/wiki
+
 # Run the test suite (release build: numerics in debug are 10-50x slower). One build of every
 # target (binary included, which the end-to-end tests drive), then the tests.
 test: setup-test

@@ -249,12 +249,28 @@ fn recipe_needs(resolved: &serde_json::Value) -> Vec<String> {
             ));
         }
     }
+    // A cold start with real-data demonstrations (`warm_start.real`) searches its own index.
+    if let Some(real) = resolved
+        .pointer("/warm_start/real")
+        .filter(|v| v.is_object())
+    {
+        let index = real.get("index").and_then(|v| v.as_str()).unwrap_or("");
+        if !index.is_empty() && !Path::new(index).is_dir() {
+            needs.push(format!(
+                "`warm_start.real.index: {index}`: no such index folder (for the shared corpus: `just \
+                 index-wiki`; otherwise `kiln index --corpus CORPUS --out {index}`)"
+            ));
+        }
+    }
     let uses_named_data = ["train_data", "eval_data"].iter().any(|k| {
         let mut v = Vec::new();
         values_of(resolved, k, &mut v);
         v.iter()
             .any(|d| !d.is_empty() && *d != "synthetic" && !Path::new(d).exists())
-    });
+    }) || resolved
+        .pointer("/warm_start/real/questions")
+        .and_then(|v| v.as_str())
+        .is_some_and(|d| !d.is_empty() && !Path::new(d).exists());
     if uses_named_data {
         let mut roots = Vec::new();
         values_of(resolved, "datasets_root", &mut roots);
@@ -504,5 +520,29 @@ mod tests {
         assert!(needs.contains("/nonexistent/model-folder"), "{needs}");
         assert!(needs.contains("kiln index"), "{needs}");
         assert!(needs.contains("/nonexistent/shared"), "{needs}");
+    }
+
+    #[test]
+    fn a_real_data_cold_start_needs_its_index_and_questions() {
+        let r = serde_json::json!({
+            "retriever": "synthetic",
+            "train_data": "synthetic",
+            "datasets_root": "/nonexistent/shared",
+            "warm_start": {"real": {"questions": "train_questions_8k", "index": "/nonexistent/wiki"}},
+        });
+        let needs = recipe_needs(&r).join("\n");
+        assert!(
+            needs.contains("warm_start.real.index: /nonexistent/wiki"),
+            "{needs}"
+        );
+        assert!(needs.contains("just index-wiki"), "{needs}");
+        assert!(needs.contains("/nonexistent/shared"), "{needs}");
+        // Without `real` the same recipe needs nothing.
+        let plain = serde_json::json!({"retriever": "synthetic", "train_data": "synthetic"});
+        assert!(
+            recipe_needs(&plain).is_empty(),
+            "{:?}",
+            recipe_needs(&plain)
+        );
     }
 }

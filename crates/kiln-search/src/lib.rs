@@ -22,6 +22,7 @@ pub mod eval;
 pub mod grpo;
 pub mod pipeline;
 pub mod protocol;
+pub mod real_demos;
 pub mod refiner;
 pub mod refiner_start;
 pub mod reward;

@@ -424,6 +424,21 @@ pub fn load_policy(
                 },
                 dir.display()
             );
+            // `warm_start.real`: real training questions and the real index their searches run on.
+            let real = match &r.warm_start.real {
+                Some(rc) => {
+                    let questions = load_set(&rc.questions, &r.datasets_root, None)
+                        .with_context(|| format!("warm_start.real.questions: {}", rc.questions))?;
+                    let spec = RetrieverSpec::Name(rc.index.to_string_lossy().into_owned());
+                    let search = open_retriever(&spec, None).context("warm_start.real.index")?;
+                    Some((questions, search))
+                }
+                None => None,
+            };
+            let real_source = real.as_ref().map(|(q, s)| crate::warmstart::RealSource {
+                questions: q,
+                search: s,
+            });
             let pb = bar(r.warm_start.steps as u64);
             pb.set_message("cold start");
             let report = crate::warmstart::cold_start(
@@ -436,12 +451,28 @@ pub fn load_policy(
                 &r.pretrained,
                 &r.search.batch.protocol,
                 &env.search,
+                real_source.as_ref(),
                 dir,
                 seed,
                 sft_progress(&pb, "cold start", 10),
             )
             .map_err(PipelineError::msg)?;
             pb.finish_and_clear();
+            if let Some(st) = &report.real {
+                tracing::info!(
+                    "real-data demonstrations: {} one-search + {} two-search from {} questions scanned \
+                     ({} yes/no or long answers, {} answers in the question, {} without evidence, {} dropped on replay, \
+                     {} over max_tokens)",
+                    st.one_search,
+                    st.two_search,
+                    st.scanned,
+                    st.skipped_answer,
+                    st.skipped_in_question,
+                    st.no_evidence,
+                    st.dropped_on_replay,
+                    st.too_long
+                );
+            }
             tracing::info!(
                 "cold start done in {:.0}s: demonstrations {:?} ({:.0} tokens each), loss {:.3} -> {:.3}",
                 report.seconds,

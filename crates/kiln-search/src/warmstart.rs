@@ -32,11 +32,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::Error;
 use crate::agent::{encode, encode_prompt, padded, tokenize_episode};
+use crate::data::QaExample;
 use crate::protocol::{
     ANSWER_CLOSE, ANSWER_OPEN, DIRECT_TEMPLATE, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_OBSERVATION,
     PromptTemplates, ProtocolConfig, RAG_TEMPLATE, SEARCH_CLOSE, SEARCH_OPEN, SEARCH_R1_TEMPLATE,
     THINK_CLOSE, THINK_OPEN, format_documents,
 };
+use crate::real_demos::{RealDemoStats, RealDemosConfig, build_real_demos};
 use crate::refiner::build_refiner_prompt;
 use crate::rollout::SearchBackend;
 use crate::synthetic::{
@@ -72,6 +74,10 @@ pub struct WarmStartConfig {
     /// prompts), each term averaged over its own tokens. The policy tokens alone are a thin signal (~50 per
     /// demonstration); the passages repeat every entity name, which teaches copying. Default 0.
     pub context_weight: f64,
+    /// Demonstrations from real multi-hop questions over a real index, added to the synthetic ones
+    /// ([`crate::real_demos`]; cold starts of a pre-trained model only). Absent by default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub real: Option<RealDemosConfig>,
 }
 
 impl Default for WarmStartConfig {
@@ -86,6 +92,7 @@ impl Default for WarmStartConfig {
             baseline_ratio: 0.15,
             rename_copies: 0,
             context_weight: 0.0,
+            real: None,
         }
     }
 }
@@ -123,6 +130,9 @@ pub struct WarmStartReport {
     /// from-scratch warm start.
     #[serde(default)]
     pub base: Option<String>,
+    /// What the real-data demonstrations' scan found (`warm_start.real`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub real: Option<RealDemoStats>,
 }
 
 /// Special (added) tokens of the warm-start tokenizer: the protocol tags as single tokens, and an EOS.
@@ -374,18 +384,7 @@ pub fn build_examples(
                     }
                 }
             }
-            tokenize_episode(tok, &mut tr)?;
-            let (ids, m) = tr.ids_and_loss_mask()?;
-            let p = tr.prompt_token_ids.clone().unwrap_or_default();
-            let mut mask = vec![0.0; p.len()];
-            mask.extend(m);
-            let mut row = p;
-            row.extend(ids);
-            out.push(SftExample {
-                ids: row,
-                mask,
-                role: "agent",
-            });
+            out.push(agent_example(tok, tr, "agent")?);
         }
         for (p, target, role) in &texts {
             out.push(example_from(
@@ -397,6 +396,59 @@ pub fn build_examples(
         }
     }
     Ok((out, dropped))
+}
+
+/// A finished agent episode as one supervised sequence: prompt ids (not trained on), then every segment,
+/// trained on where the protocol's loss mask says so (the policy turns, not the observations).
+fn agent_example(
+    tok: &Tokenizer,
+    mut tr: crate::protocol::Trajectory,
+    role: &'static str,
+) -> Result<SftExample, Error> {
+    tokenize_episode(tok, &mut tr)?;
+    let (ids, m) = tr.ids_and_loss_mask()?;
+    let p = tr.prompt_token_ids.clone().unwrap_or_default();
+    let mut mask = vec![0.0; p.len()];
+    mask.extend(m);
+    let mut row = p;
+    row.extend(ids);
+    Ok(SftExample {
+        ids: row,
+        mask,
+        role,
+    })
+}
+
+/// The real questions and retriever of `warm_start.real` (see [`crate::real_demos`]).
+pub struct RealSource<'a> {
+    /// Training questions.
+    pub questions: &'a [QaExample],
+    /// The real retriever.
+    pub search: &'a dyn SearchBackend,
+}
+
+/// The real-data demonstrations as supervised sequences (`agent-real`, `rag-real`) and the scan's counters.
+fn real_examples(
+    cfg: &RealDemosConfig,
+    real: &RealSource<'_>,
+    tok: &Tokenizer,
+    templates: &PromptTemplates,
+    protocol: &ProtocolConfig,
+    rng: &mut ChaCha8Rng,
+) -> Result<(Vec<SftExample>, RealDemoStats), Error> {
+    let demos = build_real_demos(real.questions, cfg, templates, protocol, real.search, rng)?;
+    let mut out = Vec::with_capacity(demos.episodes.len() + demos.rag.len());
+    for ep in demos.episodes {
+        out.push(agent_example(tok, ep.trajectory, "agent-real")?);
+    }
+    for (p, t) in &demos.rag {
+        out.push(example_from(tok, encode_prompt(tok, p)?, t, "rag-real")?);
+    }
+    let mut stats = demos.stats;
+    let before = out.len();
+    out.retain(|e| e.ids.len() <= cfg.max_tokens);
+    stats.too_long = before - out.len();
+    Ok((out, stats))
 }
 
 /// Mean masked negative log-likelihood of `batch` (differentiable when `model` is on an autodiff device).
@@ -418,31 +470,24 @@ pub fn sft_losses(
     let (toks, mask, w) = padded(&rows, &device);
     let b = rows.len();
     if context_weight <= 0.0 {
-        // Only the trained tokens need the output projection: score the span from each row's first to
-        // its last trained token (with a 49k vocabulary the head over the whole prompt is a large part of
-        // the step).
-        let spans: Vec<(usize, usize)> = batch
+        // Only the trained tokens need the output projection: score those positions alone (with a 49k
+        // vocabulary the head over the prompt, or over the retrieved passages between two trained turns,
+        // is a large part of the step and most of its memory).
+        let trained: Vec<Vec<usize>> = batch
             .iter()
-            .map(|e| {
-                let first = (1..e.ids.len()).find(|&p| e.mask[p] > 0.0).unwrap_or(1);
-                let last = (1..e.ids.len())
-                    .rev()
-                    .find(|&p| e.mask[p] > 0.0)
-                    .unwrap_or(first);
-                (first, last + 1 - first)
-            })
+            .map(|e| (1..e.ids.len()).filter(|&p| e.mask[p] > 0.0).collect())
             .collect();
-        let width = spans.iter().map(|s| s.1).max().unwrap_or(1).max(1);
+        let width = trained.iter().map(Vec::len).max().unwrap_or(1).max(1);
         let mut at = Vec::with_capacity(b * width);
         let mut m = vec![0.0f32; b * width];
-        for (i, (e, &(first, len))) in batch.iter().zip(&spans).enumerate() {
+        for (i, (e, ps)) in batch.iter().zip(&trained).enumerate() {
             for k in 0..width {
-                let p = first + k;
-                if k < len && p < e.ids.len() {
-                    at.push(p as i64);
-                    m[i * width + k] = e.mask[p];
-                } else {
-                    at.push(1);
+                match ps.get(k) {
+                    Some(&p) => {
+                        at.push(p as i64);
+                        m[i * width + k] = e.mask[p];
+                    }
+                    None => at.push(1),
                 }
             }
         }
@@ -510,6 +555,13 @@ pub fn warm_start(
 ) -> Result<WarmStartReport, Error> {
     let start = Instant::now();
     check_steps(cfg)?;
+    if cfg.real.is_some() {
+        return Err(Error::Invalid(
+            "warm_start.real needs a pre-trained model (`pretrained:`): the from-scratch warm start's \
+             tokenizer is trained on the synthetic world only"
+                .into(),
+        ));
+    }
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     let tok = train_tokenizer(world, cfg.vocab_size, &tmp)?;
@@ -555,6 +607,7 @@ pub fn cold_start(
     base: &str,
     protocol: &ProtocolConfig,
     search: &dyn SearchBackend,
+    real: Option<&RealSource<'_>>,
     dir: &Path,
     seed: u64,
     on_step: impl FnMut(usize, f64),
@@ -562,8 +615,33 @@ pub fn cold_start(
     let start = Instant::now();
     check_steps(cfg)?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let (examples, dropped) =
+    let (mut examples, dropped) =
         build_examples(world, cfg, tok, templates, protocol, search, &mut rng)?;
+    let mut real_stats = None;
+    match (&cfg.real, real) {
+        (Some(rc), Some(src)) => {
+            let (ex, stats) = real_examples(rc, src, tok, templates, protocol, &mut rng)?;
+            if ex.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "warm_start.real: no demonstration could be built from {} (scanned {}, {} without a \
+                     passage holding the answer in {}): is the index built over the corpus these \
+                     questions come from?",
+                    rc.questions,
+                    stats.scanned,
+                    stats.no_evidence,
+                    rc.index.display()
+                )));
+            }
+            examples.extend(ex);
+            real_stats = Some(stats);
+        }
+        (Some(_), None) => {
+            return Err(Error::Invalid(
+                "warm_start.real is set but no real questions and retriever were given".into(),
+            ));
+        }
+        (None, _) => {}
+    }
     let examples = fitting(examples, model.config().max_position_embeddings)?;
     let parameters = model.num_params();
     let model = match lora {
@@ -574,7 +652,8 @@ pub fn cold_start(
         None => model,
     };
     let (model, losses) = supervised(model, &examples, cfg, &mut rng, on_step)?;
-    let report = report_of(&examples, dropped, &losses, parameters, start, Some(base));
+    let mut report = report_of(&examples, dropped, &losses, parameters, start, Some(base));
+    report.real = real_stats;
     save_atomically(&model, &report, dir)?;
     Ok(report)
 }
@@ -686,6 +765,7 @@ fn report_of(
         seconds: start.elapsed().as_secs_f64(),
         mean_tokens: tokens as f64 / examples.len().max(1) as f64,
         base: base.map(str::to_string),
+        real: None,
     }
 }
 

@@ -504,6 +504,7 @@ fn cold_start_uses_the_given_templates_and_saves_merged_weights() {
         "tiny-base",
         &ProtocolConfig::default(),
         &f.search,
+        None,
         &out,
         0,
         |_, _| {},

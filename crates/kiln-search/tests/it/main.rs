@@ -6,6 +6,7 @@ mod agent;
 mod data;
 mod eval;
 mod normalize_python;
+mod real_demos;
 mod refiner;
 mod rollout;
 mod synthetic;
