@@ -921,3 +921,35 @@ fn dynamic_sampling_draws_up_to_its_budget_and_logs_the_draw() {
     );
     assert!(e.err().unwrap().to_string().contains("max_draw_factor"));
 }
+
+/// The supervised loss projects only the trained positions (`sft_losses` without a context term); the
+/// context-term path projects every position: their policy terms must agree, also when a row's trained
+/// tokens are split by untrained ones (an observation between two turns) and rows differ in length.
+#[test]
+fn sft_loss_at_trained_positions_equals_the_full_projection() {
+    use kiln_search::warmstart::{SftExample, sft_losses};
+    let m = model(97, 11);
+    let a = SftExample {
+        ids: (1..=20).collect(),
+        mask: (0..20)
+            .map(|i| {
+                if (4..8).contains(&i) || (14..18).contains(&i) {
+                    1.0
+                } else {
+                    0.0
+                }
+            })
+            .collect(),
+        role: "agent",
+    };
+    let b = SftExample {
+        ids: (30..42).collect(),
+        mask: (0..12).map(|i| if i >= 9 { 1.0 } else { 0.0 }).collect(),
+        role: "rag",
+    };
+    let batch = [&a, &b];
+    let at_trained: f32 = sft_losses(&m, &batch, 0.0).1.into_scalar();
+    let full: f32 = sft_losses(&m, &batch, 0.5).1.into_scalar();
+    assert!(at_trained.is_finite() && at_trained > 0.0, "{at_trained}");
+    assert!((at_trained - full).abs() < 1e-5, "{at_trained} vs {full}");
+}
