@@ -246,23 +246,6 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
         assert!(text(&out).contains(want), "{set}: {}", text(&out));
         assert!(!text(&out).contains("panicked"), "{}", text(&out));
     }
-    // The default recipe's cold start needs the synthetic world's demonstrations.
-    let out = run_kiln(
-        p.path(),
-        &[
-            "train",
-            "recipes/search_r2.yaml",
-            "--dry-run",
-            "--set",
-            "train_data=hotpotqa_dev500",
-        ],
-    );
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(
-        text(&out).contains("set `warm_start: {steps: 0}`"),
-        "{}",
-        text(&out)
-    );
     let out = run_kiln(
         p.path(),
         &args(
@@ -272,6 +255,144 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     );
     assert!(!out.status.success());
     assert!(text(&out).contains("/nonexistent/index"), "{}", text(&out));
+    assert!(!text(&out).contains("panicked"), "{}", text(&out));
+}
+
+/// GRPO on real questions over a real index (`train_data:` a JSONL file, `retriever:` a `kiln index`): the
+/// warm start is still made from the synthetic world's demonstrations (searched on the world's own index),
+/// `train_reachable_k` keeps the questions whose answer the index returns for the question (not the one
+/// without evidence, not the yes/no one), and a corpus that answers none of them is a clear error.
+#[test]
+fn grpo_on_real_questions_keeps_the_reachable_ones() {
+    let p = scratch_project();
+    let dir = p.path().join("real");
+    std::fs::create_dir_all(&dir).unwrap();
+    let corpus = [
+        (
+            "p1",
+            "Harlow Vance",
+            "Harlow Vance is a painter. She was born in Quillfield in 1931.",
+        ),
+        (
+            "p2",
+            "Quillfield",
+            "Quillfield is a market town on the river Orme. Asked whether it floods, locals say yes.",
+        ),
+        (
+            "p3",
+            "Orme Bridge",
+            "The Orme Bridge was opened by the engineer Tobias Wren.",
+        ),
+    ];
+    let lines: Vec<String> = corpus
+        .iter()
+        .map(|(id, t, x)| serde_json::json!({"id": id, "title": t, "text": x}).to_string())
+        .collect();
+    std::fs::write(dir.join("corpus.jsonl"), lines.join("\n") + "\n").unwrap();
+    let qa = [
+        (
+            "q1",
+            "Where was the painter Harlow Vance born?",
+            "Quillfield",
+        ),
+        ("q2", "Who opened the Orme Bridge?", "Tobias Wren"),
+        ("q3", "Which composer wrote the Zenith Suite?", "Mara Ilves"),
+        ("q4", "Is Quillfield on the river Orme?", "yes"),
+    ];
+    let lines: Vec<String> = qa
+        .iter()
+        .map(|(id, q, a)| {
+            serde_json::json!({"id": id, "question": q, "golden_answers": [a], "data_source": "toy"})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("qa.jsonl"), lines.join("\n") + "\n").unwrap();
+    let (c, q, idx) = (
+        dir.join("corpus.jsonl"),
+        dir.join("qa.jsonl"),
+        dir.join("index"),
+    );
+    let out = run_kiln(
+        p.path(),
+        &[
+            "index",
+            "--corpus",
+            c.to_str().unwrap(),
+            "--out",
+            idx.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let real = [
+        format!("train_data={}", q.display()),
+        format!("eval_data={}", q.display()),
+        format!("retriever={}", idx.display()),
+    ];
+    let mut extra: Vec<&str> = Vec::new();
+    for s in &real {
+        extra.extend_from_slice(&["--set", s]);
+    }
+    extra.extend_from_slice(&[
+        "--set",
+        "train_reachable_k=2",
+        "--set",
+        "final_eval.questions=0",
+        "--set",
+        "trainer.eval_every=0",
+    ]);
+    // (at info level: the kept count is a log line)
+    let out = kiln_e2e::kiln(p.path())
+        .env("KILN_LOG", "info")
+        .args(args("recipes/search_r1_tiny.yaml", &extra))
+        .output()
+        .expect("spawn kiln");
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("2 of 4 training questions have a gold answer in the top 2"),
+        "{}",
+        text(&out)
+    );
+    // The warm start was made (on the world's demonstrations) and GRPO ran its steps on the real ones.
+    assert!(
+        p.path()
+            .join("runs/search/warm-start/warm_start.json")
+            .is_file()
+    );
+    let run = run_dir(p.path(), "search_r1_tiny");
+    let rows = read_metrics(&run.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 2, "{}", text(&out));
+    // An index that holds no answer: every question is dropped, and the run says why and what to do.
+    let lines = [
+        serde_json::json!({"id": "x", "title": "Nothing", "text": "An unrelated passage."})
+            .to_string(),
+    ];
+    std::fs::write(dir.join("empty.jsonl"), lines.join("\n") + "\n").unwrap();
+    let (c2, idx2) = (dir.join("empty.jsonl"), dir.join("index-empty"));
+    let out = run_kiln(
+        p.path(),
+        &[
+            "index",
+            "--corpus",
+            c2.to_str().unwrap(),
+            "--out",
+            idx2.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let retr = format!("retriever={}", idx2.display());
+    let mut extra2: Vec<&str> = extra.clone();
+    let i = extra2
+        .iter()
+        .position(|s| s.starts_with("retriever="))
+        .unwrap();
+    extra2[i] = &retr;
+    let out = run_kiln(p.path(), &args("recipes/search_r1_tiny.yaml", &extra2));
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("none of the 4 training questions"),
+        "{}",
+        text(&out)
+    );
     assert!(!text(&out).contains("panicked"), "{}", text(&out));
 }
 

@@ -72,6 +72,13 @@ pub struct SearchRecipe {
     pub world: WorldConfig,
     /// Training questions: `synthetic` (the world's train split) or a dataset name / JSONL path.
     pub train_data: String,
+    /// Keep only the training questions whose gold answer occurs (normalised, whole words) in the top
+    /// `train_reachable_k` passages the retriever returns for the question itself; 0 = keep every question
+    /// (default). For real questions over a small corpus: most of R1-Searcher's training questions have no
+    /// evidence in the shared 26k-passage corpus, and a question no search can answer gives every trajectory
+    /// reward 0 (a uniform group, no signal). Questions whose every alias is `yes` / `no` are dropped too (a
+    /// passage that contains the word says nothing). How many were kept is logged.
+    pub train_reachable_k: usize,
     /// Held-out questions for the periodic and final evaluation: `synthetic` (the world's test split; `dev`
     /// during training) or a dataset name / path.
     pub eval_data: String,
@@ -133,6 +140,7 @@ impl Default for SearchRecipe {
             refiner_start: RefinerStartConfig::default(),
             world: WorldConfig::default(),
             train_data: "synthetic".into(),
+            train_reachable_k: 0,
             eval_data: "synthetic".into(),
             retriever: RetrieverSpec::Name("synthetic".into()),
             datasets_root: PathBuf::from("../shared/datasets"),
@@ -243,8 +251,10 @@ impl std::fmt::Display for RetrieverSpec {
 
 /// Everything a run needs besides the model.
 pub struct Env {
-    /// The world, when used.
+    /// The world, when used (by the data, the retriever, or a warm / cold start still to be made).
     pub world: Option<World>,
+    /// The world's folder (its corpus and BM25 index), when loaded.
+    pub world_dir: Option<PathBuf>,
     /// The search engine.
     pub search: RetrieverBackend,
     /// Training questions.
@@ -329,7 +339,10 @@ fn load_set(spec: &str, root: &Path, limit: Option<usize>) -> Result<Vec<QaExamp
 
 /// Builds the environment of a recipe.
 pub fn env(r: &SearchRecipe) -> Result<Env> {
-    let (world, dir) = if r.uses_world() {
+    // A warm / cold start still to be made trains on the world's scripted demonstrations, whatever
+    // `train_data` says.
+    let start_to_make = r.makes_start() && !r.init_dir.join("config.json").is_file();
+    let (world, dir) = if r.uses_world() || start_to_make {
         let (w, d) =
             load_or_generate(&r.world, &default_cache_root()).map_err(PipelineError::msg)?;
         (Some(w), Some(d))
@@ -338,11 +351,30 @@ pub fn env(r: &SearchRecipe) -> Result<Env> {
     };
     let search = open_retriever(&r.retriever, dir.as_deref())?;
     let split = |s: Split| world.as_ref().map(|w| w.examples(s)).unwrap_or_default();
-    let train = if r.train_data == "synthetic" {
+    let mut train = if r.train_data == "synthetic" {
         split(Split::Train)
     } else {
         load_set(&r.train_data, &r.datasets_root, None)?
     };
+    if r.train_reachable_k > 0 {
+        let all = train.len();
+        train = reachable(train, &search, r.train_reachable_k)?;
+        tracing::info!(
+            "train_reachable_k = {}: {} of {} training questions have a gold answer in the top {} passages \
+             retrieved for the question",
+            r.train_reachable_k,
+            train.len(),
+            all,
+            r.train_reachable_k
+        );
+        if train.is_empty() {
+            return Err(PipelineError(format!(
+                "train_reachable_k = {}: none of the {all} training questions of {} has its answer in the top {} \
+                 passages of {}; use a corpus that covers them, a larger k, or train_reachable_k: 0",
+                r.train_reachable_k, r.train_data, r.train_reachable_k, r.retriever
+            )));
+        }
+    }
     let (dev, test) = if r.eval_data == "synthetic" {
         (split(Split::Dev), split(Split::Test))
     } else {
@@ -351,11 +383,60 @@ pub fn env(r: &SearchRecipe) -> Result<Env> {
     };
     Ok(Env {
         world,
+        world_dir: dir,
         search,
         train,
         dev,
         test,
     })
+}
+
+/// The questions of `examples` with a gold alias (not `yes` / `no`) in the top `k` passages `search` returns
+/// for the question (searched in batches of 256).
+pub fn reachable(
+    examples: Vec<QaExample>,
+    search: &RetrieverBackend,
+    k: usize,
+) -> Result<Vec<QaExample>> {
+    use crate::rollout::SearchBackend;
+    let mut kept = Vec::new();
+    for chunk in examples.chunks(256) {
+        let queries: Vec<String> = chunk.iter().map(|e| e.question.clone()).collect();
+        let results = search
+            .search_batch(&queries, k)
+            .map_err(PipelineError::msg)?;
+        for (e, passages) in chunk.iter().zip(results) {
+            let golds: Vec<&String> = e
+                .golden_answers
+                .iter()
+                .filter(|g| {
+                    let n = crate::answer::normalize_answer(g);
+                    !n.is_empty() && n != "yes" && n != "no"
+                })
+                .collect();
+            if !golds.is_empty()
+                && passages
+                    .iter()
+                    .any(|p| crate::reward::passage_contains_answer(p, &golds))
+            {
+                kept.push(e.clone());
+            }
+        }
+    }
+    Ok(kept)
+}
+
+/// The search engine of the world's scripted demonstrations (warm / cold start): the run's own when it is
+/// the world's index, else the world's index opened beside it (a run on real data and a real index).
+fn world_search(r: &SearchRecipe, env: &Env) -> Result<RetrieverBackend> {
+    if r.retriever.is_synthetic() {
+        return Ok(env.search.clone());
+    }
+    let dir = env
+        .world_dir
+        .as_deref()
+        .context("the warm / cold start needs the synthetic world's folder")?;
+    Ok(RetrieverBackend(Arc::new(world_index(dir)?)))
 }
 
 /// The prompt templates of every role (chat-wrapped when the recipe asks for it).
@@ -406,15 +487,17 @@ pub fn load_policy(
             return start_policy(r, device);
         }
         let dir = &r.init_dir;
-        let key = warm_start_key(r, env, seed);
+        let key = warm_start_key(r, seed);
         if !dir.join("config.json").is_file() {
             // The pre-trained weights are read only to make the cold start (afterwards the policy
             // is the cold start's weights with the pre-trained tokenizer: `start_policy`).
             let (model, tok) = kiln_lm::zoo::load_with_tokenizer(&r.pretrained, device)
                 .with_context(|| format!("loading the pre-trained policy {}", r.pretrained))?;
-            let world = env.world.as_ref().context(
-                "the cold start needs the synthetic world: set train_data: synthetic (or warm_start: {steps: 0})",
-            )?;
+            let world = env
+                .world
+                .as_ref()
+                .context("the cold start needs the synthetic world, and it was not loaded")?;
+            let world_search = world_search(r, env)?;
             tracing::info!(
                 "cold start: supervised fine-tuning of {} ({}) on scripted demonstrations -> {}",
                 r.pretrained,
@@ -450,7 +533,7 @@ pub fn load_policy(
                 r.lora.as_ref(),
                 &r.pretrained,
                 &r.search.batch.protocol,
-                &env.search,
+                &world_search,
                 real_source.as_ref(),
                 dir,
                 seed,
@@ -491,11 +574,13 @@ pub fn load_policy(
     }
     let dir = &r.init_dir;
     let key_path = dir.join("warm_start.key");
-    let key = warm_start_key(r, env, seed);
+    let key = warm_start_key(r, seed);
     if !dir.join("config.json").is_file() {
-        let world = env.world.as_ref().context(
-            "the warm start needs the synthetic world: set train_data: synthetic (or give `pretrained:`)",
-        )?;
+        let world = env
+            .world
+            .as_ref()
+            .context("the warm start needs the synthetic world, and it was not loaded")?;
+        let world_search = world_search(r, env)?;
         tracing::info!(
             "warm start: training a tokenizer and a {}-layer transformer on scripted demonstrations -> {}",
             r.model.num_hidden_layers,
@@ -509,7 +594,7 @@ pub fn load_policy(
             &r.warm_start,
             &r.model,
             &r.search.batch.protocol,
-            &env.search,
+            &world_search,
             dir,
             &ad,
             seed,
@@ -717,12 +802,11 @@ fn check_key(dir: &Path, key: &str) -> Result<()> {
 /// What a warm start depends on (the world, its settings, the architecture, the protocol and the seed;
 /// for a cold start the pre-trained model, LoRA and chat framing instead of the architecture), as a stable
 /// hex digest: a warm-start folder made under other settings is never silently reused.
-fn warm_start_key(r: &SearchRecipe, env: &Env, seed: u64) -> String {
-    let world = env
-        .world
-        .as_ref()
-        .map(|w| crate::synthetic::cache_key(&w.config))
-        .unwrap_or_default();
+fn warm_start_key(r: &SearchRecipe, seed: u64) -> String {
+    // The recipe's world config, not the loaded world (loaded only when used or when a start is made):
+    // the same key either way (a loaded world's config is the recipe's), so a start made on the world
+    // is found again by a run whose data and retriever are real.
+    let world = crate::synthetic::cache_key(&r.world);
     let text = if r.pretrained.is_empty() {
         serde_json::to_string(&(
             world,

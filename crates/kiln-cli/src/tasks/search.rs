@@ -133,17 +133,6 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
                 "warm_start.batch_size must be at least 1".into(),
             ));
         }
-        if r.train_data != "synthetic" {
-            return Err(bad(
-                "warm_start",
-                format!(
-                    "the cold start of `pretrained: {}` (warm_start.steps = {}) trains on scripted demonstrations \
-                     of the synthetic world, but train_data is `{}`: set `warm_start: {{steps: 0}}` to start GRPO \
-                     from the model as it is, or train_data: synthetic",
-                    r.pretrained, r.warm_start.steps, r.train_data
-                ),
-            ));
-        }
     }
     r.world
         .validate()
