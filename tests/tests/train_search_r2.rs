@@ -258,6 +258,21 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
     assert!(!text(&out).contains("panicked"), "{}", text(&out));
 }
 
+/// `kiln index --corpus CORPUS --out OUT` in `project` succeeds.
+fn kiln_index(project: &Path, corpus: &Path, out: &Path) {
+    let o = run_kiln(
+        project,
+        &[
+            "index",
+            "--corpus",
+            corpus.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+}
+
 /// GRPO on real questions over a real index (`train_data:` a JSONL file, `retriever:` a `kiln index`): the
 /// warm start is still made from the synthetic world's demonstrations (searched on the world's own index),
 /// `train_reachable_k` keeps the questions whose answer the index returns for the question (not the one
@@ -312,17 +327,7 @@ fn grpo_on_real_questions_keeps_the_reachable_ones() {
         dir.join("qa.jsonl"),
         dir.join("index"),
     );
-    let out = run_kiln(
-        p.path(),
-        &[
-            "index",
-            "--corpus",
-            c.to_str().unwrap(),
-            "--out",
-            idx.to_str().unwrap(),
-        ],
-    );
-    assert!(out.status.success(), "{}", text(&out));
+    kiln_index(p.path(), &c, &idx);
     let real = [
         format!("train_data={}", q.display()),
         format!("eval_data={}", q.display()),
@@ -368,17 +373,7 @@ fn grpo_on_real_questions_keeps_the_reachable_ones() {
     ];
     std::fs::write(dir.join("empty.jsonl"), lines.join("\n") + "\n").unwrap();
     let (c2, idx2) = (dir.join("empty.jsonl"), dir.join("index-empty"));
-    let out = run_kiln(
-        p.path(),
-        &[
-            "index",
-            "--corpus",
-            c2.to_str().unwrap(),
-            "--out",
-            idx2.to_str().unwrap(),
-        ],
-    );
-    assert!(out.status.success(), "{}", text(&out));
+    kiln_index(p.path(), &c2, &idx2);
     let retr = format!("retriever={}", idx2.display());
     let mut extra2: Vec<&str> = extra.clone();
     let i = extra2
