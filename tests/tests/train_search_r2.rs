@@ -223,6 +223,7 @@ fn bad_search_recipes_and_retrievers_are_clear_errors() {
         ("search.batch.group_size=1", "group_size must be at least 2"),
         ("search.batch.refinr.enabled=false", "refinr"),
         ("final_eval.modes=[agent, oracle]", "unknown mode `oracle`"),
+        ("train_reachable_k=100000000", "use 1..=1000"),
         (
             "refiner_start={questions: 8, holdout: 1.5}",
             "holdout must be in [0, 1)",

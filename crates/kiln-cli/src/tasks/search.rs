@@ -89,6 +89,16 @@ fn validate_search_r2(r: &SearchRecipe, raw: &RawRecipe) -> Result<(), RecipeErr
     if let Err(e) = r.refiner_start.validate() {
         return Err(bad("refiner_start", e.to_string()));
     }
+    if r.train_reachable_k > 1000 {
+        return Err(bad(
+            "train_reachable_k",
+            format!(
+                "train_reachable_k = {} asks the retriever for that many passages per training question; \
+                 use 1..=1000 (3-10 is typical) or 0 to keep every question",
+                r.train_reachable_k
+            ),
+        ));
+    }
     if !(r.search.batch.refiner.margin.is_finite()) {
         return Err(bad(
             "search.batch.refiner.margin",
