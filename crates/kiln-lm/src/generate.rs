@@ -116,6 +116,9 @@ pub struct Generation {
     pub prefill_seconds: f64,
     /// Prompt tokens the prefill ran (padding excluded).
     pub prefill_tokens: usize,
+    /// Wall time of packing the weights for the decode steps ([`Transformer::decode_weights`];
+    /// 0 where the packed path does not apply), seconds.
+    pub pack_seconds: f64,
 }
 
 /// Turns token ids into text (for stop strings); implemented by the tokenizers of this crate.
@@ -313,6 +316,7 @@ fn generate_inner(
         finish: vec![FinishReason::Length; n],
         prefill_seconds: 0.0,
         prefill_tokens: 0,
+        pack_seconds: 0.0,
     };
     let mut kept: Vec<Option<SeqCache>> = vec![None; n];
     if n == 0 || cfg.max_new_tokens == 0 {
@@ -374,6 +378,11 @@ fn generate_inner(
     };
     // Room for the prefill and every decode step: no buffer is reallocated while decoding.
     cache.reserve(max_len + cfg.max_new_tokens);
+    // Decode steps multiply a few rows by every weight: on the CPU they run on packed copies
+    // of the projections (`crate::skinny`), built once here.
+    let t_pack = std::time::Instant::now();
+    let packed = model.decode_weights();
+    out.pack_seconds = t_pack.elapsed().as_secs_f64();
     let hidden = model.forward_cached(
         int2(&device, toks, [n, max_len]),
         int2(&device, positions, [n, max_len]),
@@ -382,17 +391,24 @@ fn generate_inner(
     );
     let d = model.config().hidden_size;
     let last = hidden.slice([0..n, max_len - 1..max_len, 0..d]);
-    let head = model.inference_head();
-    let mut logits = model.logits_with_head(last, &head);
-    // Force the prefill's lazy work to finish inside its timer (the host copy below would
-    // otherwise absorb it into the first decode step).
-    let mut logits_host: Option<Vec<f32>> = Some(
+    let head = packed.is_none().then(|| model.inference_head());
+    let to_host = |logits: Tensor<3>| {
         logits
-            .clone()
             .into_data()
             .try_into_vec_as::<f32>()
-            .expect("float logits"),
-    );
+            .expect("float logits")
+    };
+    // The host copy also forces the prefill's lazy work to finish inside its timer.
+    let mut rows: Vec<f32> = match (&packed, &head) {
+        (Some(p), _) => p.logits(
+            &last
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .expect("float hidden states"),
+        ),
+        (None, Some(head)) => to_host(model.logits_with_head(last, head)),
+        (None, None) => unreachable!("a head is made when nothing is packed"),
+    };
     out.prefill_seconds = t_prefill.elapsed().as_secs_f64();
     out.prefill_tokens = fresh.iter().map(|p| p.len()).sum();
 
@@ -421,13 +437,6 @@ fn generate_inner(
     };
 
     loop {
-        let rows: Vec<f32> = match logits_host.take() {
-            Some(r) => r,
-            None => logits
-                .into_data()
-                .try_into_vec_as::<f32>()
-                .expect("float logits"),
-        };
         let mut step_tokens = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         for (r, &seq) in active.iter().enumerate() {
@@ -456,7 +465,7 @@ fn generate_inner(
                 }
                 None => {
                     keep.push(r);
-                    step_tokens.push(tok as i64);
+                    step_tokens.push(tok);
                 }
             }
         }
@@ -478,16 +487,27 @@ fn generate_inner(
             m.push(true);
         }
         let klen = key_mask[0].len();
-        let hidden = model.forward_cached(
-            int2(&device, step_tokens, [b, 1]),
-            int2(&device, next_pos.clone(), [b, 1]),
-            bool2(&device, key_mask.concat(), [b, klen]),
-            &mut cache,
-        );
+        let keys = key_mask.concat();
+        rows = match (&packed, &head) {
+            (Some(p), _) => model.forward_decode(&step_tokens, &next_pos, &keys, &mut cache, p),
+            (None, Some(head)) => to_host(model.logits_with_head(
+                model.forward_cached(
+                    int2(
+                        &device,
+                        step_tokens.iter().map(|&t| t as i64).collect(),
+                        [b, 1],
+                    ),
+                    int2(&device, next_pos.clone(), [b, 1]),
+                    bool2(&device, keys, [b, klen]),
+                    &mut cache,
+                ),
+                head,
+            )),
+            (None, None) => unreachable!("a head is made when nothing is packed"),
+        };
         for p in next_pos.iter_mut() {
             *p += 1;
         }
-        logits = model.logits_with_head(hidden, &head);
     }
     (out, kept)
 }

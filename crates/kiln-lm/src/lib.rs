@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod lora;
 pub mod malloc;
 pub mod model;
+pub mod skinny;
 pub mod tokenizer;
 pub mod weights;
 pub mod zoo;
@@ -24,6 +25,6 @@ pub use generate::{
 };
 pub use gguf::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig};
-pub use model::{KvCache, Transformer, positions_from_mask};
+pub use model::{DecodeWeights, KvCache, Transformer, positions_from_mask};
 pub use tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
 pub use weights::{WeightsError, load_hf_dir, save_hf_dir};

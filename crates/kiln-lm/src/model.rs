@@ -14,6 +14,7 @@ use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::config::TransformerConfig;
 use crate::lora::{LoraAdapter, project};
+use crate::skinny::{PackedMatrix, Part};
 
 /// A `[d_in, d_out]` linear layer with normal(0, std) weights and zero bias.
 pub(crate) fn init_linear(
@@ -541,6 +542,173 @@ impl DecoderLayer {
     }
 }
 
+/// One decode step of one layer on the host residual stream `x` `[B, hidden]` (row-major),
+/// updated in place: RMSNorm, the fused q/k/v product, RoPE at `rope` (`[B, head_dim]` cos
+/// and sin per row), the cache write and [`decode_attention`] with the key-padding `mask`
+/// `[B, 1, 1, L]` (burn: the cache is burn's; its vectorised softmax beats a scalar one), the
+/// output projection, the residual, RMSNorm, the fused gate/up product, SiLU x up, the down
+/// product, the residual. Same arithmetic as [`DecoderLayer::forward`] up to float rounding.
+fn decode_layer(
+    x: &mut [f32],
+    packed: &LayerPacked,
+    rope: &(Vec<f32>, Vec<f32>),
+    mask: Tensor<4, Bool>,
+    cache: &mut LayerCache,
+    device: &Device,
+) {
+    let d = packed.o.n();
+    let b = x.len() / d;
+    let (h, kvh, hd) = (packed.heads, packed.kv_heads, packed.head_dim);
+    let mut qkv = packed
+        .qkv
+        .matmul(&host_rms_norm(x, &packed.input_norm, packed.eps));
+    // RoPE (rotate-half) on the query and key heads of every row.
+    let width = (h + 2 * kvh) * hd;
+    let half = hd / 2;
+    for (r, row) in qkv.chunks_exact_mut(width).enumerate() {
+        let (cos, sin) = (&rope.0[r * hd..(r + 1) * hd], &rope.1[r * hd..(r + 1) * hd]);
+        for head in row[..(h + kvh) * hd].chunks_exact_mut(hd) {
+            for j in 0..half {
+                let (x1, x2) = (head[j], head[j + half]);
+                head[j] = x1 * cos[j] - x2 * sin[j];
+                head[j + half] = x2 * cos[j + half] + x1 * sin[j + half];
+            }
+        }
+    }
+    let qkv = Tensor::<3>::from_data(TensorData::new(qkv, [b, 1, width]), device);
+    let part = |from: usize, heads: usize| {
+        qkv.clone()
+            .slice([0..b, 0..1, from * hd..(from + heads) * hd])
+            .reshape([b, 1, heads, hd])
+            .swap_dims(1, 2)
+    };
+    cache.append(part(h, kvh), part(h + kvh, kvh));
+    let keys = cache.keys().expect("appended");
+    let values = cache.values().expect("appended");
+    let attn = decode_attention(part(0, h), keys, values, Some(mask), kvh)
+        .swap_dims(1, 2)
+        .reshape([b, 1, h * hd]);
+    for (xv, o) in x.iter_mut().zip(packed.o.matmul(&host(attn))) {
+        *xv += o;
+    }
+    let gu = packed
+        .gate_up
+        .matmul(&host_rms_norm(x, &packed.post_norm, packed.eps));
+    let inter = packed.down.k();
+    let act: Vec<f32> = gu
+        .chunks_exact(2 * inter)
+        .flat_map(|row| {
+            let (g, u) = row.split_at(inter);
+            g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+        })
+        .collect();
+    for (xv, o) in x.iter_mut().zip(packed.down.matmul(&act)) {
+        *xv += o;
+    }
+}
+
+/// [`rms_norm`] of the rows of `x` `[B, gamma.len()]` on the host.
+fn host_rms_norm(x: &[f32], gamma: &[f32], eps: f64) -> Vec<f32> {
+    let d = gamma.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let rms = (ms + eps as f32).sqrt();
+        out.extend(row.iter().zip(gamma).map(|(v, g)| v / rms * g));
+    }
+    out
+}
+
+/// The host values of a tensor, row-major.
+fn host<const D: usize>(x: Tensor<D>) -> Vec<f32> {
+    x.into_data()
+        .try_into_vec_as::<f32>()
+        .expect("float tensor")
+}
+
+/// One layer's projections packed for decode steps: q/k/v fused, o, gate/up fused, down.
+#[derive(Debug, Clone)]
+struct LayerPacked {
+    qkv: PackedMatrix,
+    o: PackedMatrix,
+    gate_up: PackedMatrix,
+    down: PackedMatrix,
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    eps: f64,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Every projection of a [`Transformer`] packed for the decode steps of generation
+/// ([`crate::skinny`]), LoRA adapters merged in: built by [`Transformer::decode_weights`] once
+/// per generation call, valid while the model's weights do not change.
+#[derive(Debug, Clone)]
+pub struct DecodeWeights {
+    layers: Vec<LayerPacked>,
+    head: PackedMatrix,
+    norm: Vec<f32>,
+    norm_eps: f64,
+    inv_freq: Vec<f32>,
+}
+
+impl DecodeWeights {
+    /// Bytes the packed copies hold.
+    pub fn bytes(&self) -> usize {
+        self.head.bytes()
+            + self
+                .layers
+                .iter()
+                .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
+                .sum::<usize>()
+    }
+
+    /// Logits `[M, vocab]` (row-major) of already-normed hidden states `[M, hidden]`.
+    pub fn logits(&self, normed: &[f32]) -> Vec<f32> {
+        self.head.matmul(normed)
+    }
+}
+
+/// Largest model (f32 projection bytes) whose projections generation packs: the packed copy
+/// costs as much memory again.
+pub const DECODE_PACK_MAX_BYTES: usize = 4 << 30;
+
+/// A linear layer's merged weight `[d_in, n]` and bias on the host.
+struct HostLinear {
+    w: Vec<f32>,
+    n: usize,
+    bias: Option<Vec<f32>>,
+}
+
+/// The host copy of `linear` with its LoRA adapter (if any) merged in.
+fn host_linear(linear: &Linear, lora: &Option<LoraAdapter>) -> HostLinear {
+    let w = linear.weight.val().detach();
+    let w = match lora {
+        Some(l) => w + l.weight_delta().detach(),
+        None => w,
+    };
+    let n = w.dims()[1];
+    let bias = linear.bias.as_ref().map(|b| host(b.val().detach()));
+    HostLinear {
+        w: host(w),
+        n,
+        bias,
+    }
+}
+
+fn pack_parts(k: usize, parts: &[HostLinear]) -> PackedMatrix {
+    let refs: Vec<Part<'_>> = parts
+        .iter()
+        .map(|p| Part {
+            w: &p.w,
+            n: p.n,
+            bias: p.bias.as_deref(),
+        })
+        .collect();
+    PackedMatrix::pack(k, &refs)
+}
+
 impl Transformer {
     /// A freshly initialised model (prefer [`TransformerConfig::init`], which validates).
     pub(crate) fn init(cfg: &TransformerConfig, device: &Device) -> Self {
@@ -712,6 +880,145 @@ impl Transformer {
             Some(head) => head.forward(normed),
             None => linear(normed, self.embed_tokens.weight.val().transpose(), None),
         }
+    }
+
+    /// The projections packed for generation's decode steps ([`DecodeWeights`]), or `None`
+    /// where the packed path does not apply: an autodiff or non-CPU device (the GPU backends
+    /// keep their own kernels), a model above [`DECODE_PACK_MAX_BYTES`], or
+    /// `KILN_DECODE=burn` in the environment (burn's matmul for every step, for comparison).
+    pub fn decode_weights(&self) -> Option<DecodeWeights> {
+        let device = self.device();
+        if device.is_autodiff()
+            || device != Device::flex()
+            || std::env::var("KILN_DECODE").is_ok_and(|v| v == "burn")
+        {
+            return None;
+        }
+        let cfg = &self.config;
+        let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (h, kvh, hd) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let per_layer = d * (h + 2 * kvh) * hd + h * hd * d + 3 * d * i;
+        let bytes = 4 * (cfg.num_hidden_layers * per_layer + d * cfg.vocab_size);
+        if bytes > DECODE_PACK_MAX_BYTES {
+            return None;
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.self_attn;
+                let m = &l.mlp;
+                LayerPacked {
+                    qkv: pack_parts(
+                        d,
+                        &[
+                            host_linear(&a.q_proj, &a.q_lora),
+                            host_linear(&a.k_proj, &a.k_lora),
+                            host_linear(&a.v_proj, &a.v_lora),
+                        ],
+                    ),
+                    o: pack_parts(h * hd, &[host_linear(&a.o_proj, &a.o_lora)]),
+                    gate_up: pack_parts(
+                        d,
+                        &[
+                            host_linear(&m.gate_proj, &m.gate_lora),
+                            host_linear(&m.up_proj, &m.up_lora),
+                        ],
+                    ),
+                    down: pack_parts(i, &[host_linear(&m.down_proj, &m.down_lora)]),
+                    input_norm: host(l.input_layernorm.gamma.val().detach()),
+                    post_norm: host(l.post_attention_layernorm.gamma.val().detach()),
+                    eps: l.input_layernorm.epsilon,
+                    heads: h,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                }
+            })
+            .collect();
+        let head = host(self.inference_head());
+        let head = PackedMatrix::pack(
+            d,
+            &[Part {
+                w: &head,
+                n: cfg.vocab_size,
+                bias: None,
+            }],
+        );
+        Some(DecodeWeights {
+            layers,
+            head,
+            norm: host(self.norm.gamma.val().detach()),
+            norm_eps: self.norm.epsilon,
+            inv_freq: rope_inv_freq(cfg),
+        })
+    }
+
+    /// [`Self::forward_cached`] for one new token per row, `tokens` at `positions` (one
+    /// each per row), `key_mask` `[B, T_cached + 1]` true on real keys, with the projections of
+    /// `weights`: the residual stream, norms, RoPE and MLP run on the host, the attention over the
+    /// cache in burn ([`decode_attention`]). Returns the logits `[B, vocab]`
+    /// on the host. Same results as `forward_cached` + [`Self::logits_with_head`] up to float
+    /// rounding (tested).
+    ///
+    /// # Panics
+    /// If `tokens` and `positions` differ in length, `key_mask` is not `[B, T_cached + 1]`, or
+    /// `weights` belong to a model of another depth.
+    pub fn forward_decode(
+        &self,
+        tokens: &[u32],
+        positions: &[i64],
+        key_mask: &[bool],
+        cache: &mut KvCache,
+        weights: &DecodeWeights,
+    ) -> Vec<f32> {
+        assert_eq!(tokens.len(), positions.len(), "one position per token");
+        assert_eq!(
+            weights.layers.len(),
+            self.layers.len(),
+            "weights of another model"
+        );
+        if cache.layers.len() != self.layers.len() {
+            *cache = KvCache::new(self.layers.len());
+        }
+        let device = self.device();
+        let b = tokens.len();
+        let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, 1]), &device);
+        let mut x = host(self.embed_tokens.forward(ids));
+        // cos / sin tables [B, head_dim] as `rope_tables` computes them (f32 angles).
+        let half = weights.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(b * 2 * half), Vec::new());
+        sin.reserve(b * 2 * half);
+        for &p in positions {
+            for _ in 0..2 {
+                for &f in &weights.inv_freq {
+                    let angle = p as f32 * f;
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        let rope = (cos, sin);
+        let l = key_mask.len() / b.max(1);
+        assert_eq!(
+            key_mask.len(),
+            b * l,
+            "key mask of {} for {b} rows",
+            key_mask.len()
+        );
+        let mask = key_padding_mask(Tensor::<2, Bool>::from_data(
+            TensorData::new(key_mask.to_vec(), [b, l]),
+            &device,
+        ));
+        for ((lc, packed), _) in cache
+            .layers
+            .iter_mut()
+            .zip(&weights.layers)
+            .zip(&self.layers)
+        {
+            decode_layer(&mut x, packed, &rope, mask.clone(), lc, &device);
+        }
+        weights.logits(&host_rms_norm(&x, &weights.norm, weights.norm_eps))
     }
 }
 
@@ -937,6 +1244,131 @@ mod tests {
                 decode_against_full_forward(kv, reserve);
             }
         }
+    }
+
+    /// A tiny GQA model with q/k/v biases and LoRA adapters whose `B` is not zero on every
+    /// projection, so that packing must merge them.
+    fn adapted_model(device: &Device) -> Transformer {
+        device.seed(9);
+        let cfg = TransformerConfig {
+            attention_bias: true,
+            ..tiny(true, 2)
+        };
+        let lora = crate::LoraConfig {
+            rank: 3,
+            ..Default::default()
+        };
+        let mut model = cfg.init(device).with_lora(&lora);
+        let random =
+            |shape: [usize; 2]| Tensor::<2>::random(shape, Distribution::Normal(0.0, 0.2), device);
+        let adapt = |slot: &mut Option<LoraAdapter>| {
+            let [d_in, r] = slot.as_ref().expect("adapted").a.val().dims();
+            let d_out = slot.as_ref().expect("adapted").b.val().dims()[1];
+            *slot = Some(LoraAdapter::from_factors(
+                random([d_in, r]),
+                random([r, d_out]),
+                &lora,
+            ));
+        };
+        for layer in model.layers.iter_mut() {
+            let a = &mut layer.self_attn;
+            for slot in [&mut a.q_lora, &mut a.k_lora, &mut a.v_lora, &mut a.o_lora] {
+                adapt(slot);
+            }
+            for lin in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj] {
+                let n = lin.weight.val().dims()[1];
+                lin.bias = Some(Param::from_tensor(Tensor::<1>::random(
+                    [n],
+                    Distribution::Normal(0.0, 0.2),
+                    device,
+                )));
+            }
+            let m = &mut layer.mlp;
+            for slot in [&mut m.gate_lora, &mut m.up_lora, &mut m.down_lora] {
+                adapt(slot);
+            }
+        }
+        model
+    }
+
+    #[test]
+    fn packed_decode_matches_a_full_forward_with_adapters_and_biases() {
+        let device = Device::flex();
+        let model = adapted_model(&device);
+        let weights = model.decode_weights().expect("CPU, small model: packed");
+        assert!(weights.bytes() > 0);
+        let mut seqs: Vec<Vec<i64>> = vec![vec![0, 0, 7, 8, 9], vec![1, 2, 3, 4, 5]];
+        let mut real: Vec<Vec<bool>> = vec![vec![false, false, true, true, true], vec![true; 5]];
+        let bool2 = |rows: &[Vec<bool>]| {
+            let t = rows[0].len();
+            Tensor::<2, Bool>::from_data(TensorData::new(rows.concat(), [rows.len(), t]), &device)
+        };
+        let mut cache = KvCache::new(2);
+        cache.reserve(5 + 30);
+        model.forward_cached(
+            ids(&device, &[seqs[0].as_slice(), seqs[1].as_slice()]),
+            ids(&device, &[&[0, 0, 0, 1, 2], &[0, 1, 2, 3, 4]]),
+            bool2(&real),
+            &mut cache,
+        );
+        let mut worst = 0f32;
+        for s in 0..30 {
+            if s == 12 {
+                // A finished row leaves the batch, as in generation.
+                cache.select_rows(Tensor::<1, Int>::from_data(
+                    TensorData::new(vec![0i64], [1]),
+                    &device,
+                ));
+                seqs.truncate(1);
+                real.truncate(1);
+            }
+            let toks: Vec<u32> = (0..seqs.len())
+                .map(|r| ((s * 7 + r * 3) % 50) as u32)
+                .collect();
+            let pos: Vec<i64> = real
+                .iter()
+                .map(|m| m.iter().filter(|&&x| x).count() as i64)
+                .collect();
+            for (r, seq) in seqs.iter_mut().enumerate() {
+                seq.push(toks[r] as i64);
+                real[r].push(true);
+            }
+            let got = model.forward_decode(&toks, &pos, &real.concat(), &mut cache, &weights);
+            let rows: Vec<&[i64]> = seqs.iter().map(Vec::as_slice).collect();
+            let t = seqs[0].len();
+            let full = model.forward_masked(ids(&device, &rows), bool2(&real));
+            let want = vec3(full.slice([0..seqs.len(), t - 1..t, 0..50]));
+            assert_eq!(got.len(), want.len());
+            for (x, y) in got.iter().zip(&want) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        assert!(worst < 1e-4, "max |packed decode - full forward| = {worst}");
+        // The check can fail: the same step without the adapters' merge is far off.
+        let unmerged = model.without_lora().decode_weights().expect("packed");
+        let mut cache2 = KvCache::new(2);
+        model.forward_cached(
+            ids(&device, &[&[1, 2, 3]]),
+            ids(&device, &[&[0, 1, 2]]),
+            bool2(&[vec![true; 3]]),
+            &mut cache2,
+        );
+        let mut cache3 = cache2.clone();
+        let a = model.forward_decode(&[4], &[3], &[true; 4], &mut cache2, &weights);
+        let b = model.forward_decode(&[4], &[3], &[true; 4], &mut cache3, &unmerged);
+        let gap = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(gap > 1e-2, "adapters changed nothing: {gap}");
+    }
+
+    #[test]
+    fn no_packed_weights_on_an_autodiff_device() {
+        let device = Device::flex().autodiff();
+        device.seed(1);
+        assert!(tiny(true, 2).init(&device).decode_weights().is_none());
     }
 
     #[test]
