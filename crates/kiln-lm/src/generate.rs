@@ -15,7 +15,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{KvCache, Transformer};
+use crate::model::{DecodeWeights, KvCache, Transformer};
 
 /// Sampling settings of [`generate`].
 #[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
@@ -238,7 +238,42 @@ pub fn generate(
     rng: &mut impl Rng,
     detok: Option<&dyn Detokenize>,
 ) -> Generation {
-    generate_inner(model, prompts, cfg, rng, detok, None).0
+    generate_inner(model, prompts, cfg, rng, detok, None, Packing::PerCall).0
+}
+
+/// Where the decode steps' packed weights come from.
+#[derive(Debug, Clone, Copy)]
+enum Packing<'a> {
+    /// Packed for this call ([`Transformer::decode_weights`]).
+    PerCall,
+    /// Packed by the caller from the same weights (`None`: burn's matmul).
+    Given(Option<&'a DecodeWeights>),
+}
+
+/// [`generate`] with decode weights the caller packed once ([`Transformer::decode_weights`] of
+/// this `model`, with these weights) for many calls: a multi-turn rollout or an evaluation
+/// packs once instead of once per call. `None` decodes with burn's matmul.
+///
+/// # Panics
+/// As [`generate`]; also if `weights` belong to a model of another depth.
+pub fn generate_packed(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    rng: &mut impl Rng,
+    detok: Option<&dyn Detokenize>,
+    weights: Option<&DecodeWeights>,
+) -> Generation {
+    generate_inner(
+        model,
+        prompts,
+        cfg,
+        rng,
+        detok,
+        None,
+        Packing::Given(weights),
+    )
+    .0
 }
 
 /// A sequence's token ids and the keys/values of those ids (a one-row [`KvCache`]), kept between
@@ -286,8 +321,44 @@ pub fn generate_reusing(
     detok: Option<&dyn Detokenize>,
     reuse: &[Option<&SeqCache>],
 ) -> (Generation, Vec<SeqCache>) {
+    generate_reusing_inner(model, prompts, cfg, rng, detok, reuse, Packing::PerCall)
+}
+
+/// [`generate_reusing`] with decode weights the caller packed once, as [`generate_packed`].
+///
+/// # Panics
+/// As [`generate_reusing`] and [`generate_packed`].
+pub fn generate_reusing_packed(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    rng: &mut impl Rng,
+    detok: Option<&dyn Detokenize>,
+    reuse: &[Option<&SeqCache>],
+    weights: Option<&DecodeWeights>,
+) -> (Generation, Vec<SeqCache>) {
+    generate_reusing_inner(
+        model,
+        prompts,
+        cfg,
+        rng,
+        detok,
+        reuse,
+        Packing::Given(weights),
+    )
+}
+
+fn generate_reusing_inner(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    rng: &mut impl Rng,
+    detok: Option<&dyn Detokenize>,
+    reuse: &[Option<&SeqCache>],
+    packing: Packing<'_>,
+) -> (Generation, Vec<SeqCache>) {
     assert_eq!(reuse.len(), prompts.len(), "one reuse entry per prompt");
-    let (g, caches) = generate_inner(model, prompts, cfg, rng, detok, Some(reuse));
+    let (g, caches) = generate_inner(model, prompts, cfg, rng, detok, Some(reuse), packing);
     let caches = caches
         .into_iter()
         .zip(prompts)
@@ -308,6 +379,7 @@ fn generate_inner(
     rng: &mut impl Rng,
     detok: Option<&dyn Detokenize>,
     reuse: Option<&[Option<&SeqCache>]>,
+    packing: Packing<'_>,
 ) -> (Generation, Vec<Option<SeqCache>>) {
     let n = prompts.len();
     let mut out = Generation {
@@ -381,8 +453,15 @@ fn generate_inner(
     // Decode steps multiply a few rows by every weight: on the CPU they run on packed copies
     // of the projections (`crate::skinny`), built once here.
     let t_pack = std::time::Instant::now();
-    let packed = model.decode_weights();
-    out.pack_seconds = t_pack.elapsed().as_secs_f64();
+    let own;
+    let packed = match packing {
+        Packing::PerCall => {
+            own = model.decode_weights();
+            out.pack_seconds = t_pack.elapsed().as_secs_f64();
+            own.as_ref()
+        }
+        Packing::Given(w) => w,
+    };
     let hidden = model.forward_cached(
         int2(&device, toks, [n, max_len]),
         int2(&device, positions, [n, max_len]),
@@ -399,7 +478,7 @@ fn generate_inner(
             .expect("float logits")
     };
     // The host copy also forces the prefill's lazy work to finish inside its timer.
-    let mut rows: Vec<f32> = match (&packed, &head) {
+    let mut rows: Vec<f32> = match (packed, &head) {
         (Some(p), _) => p.logits(
             &last
                 .into_data()
@@ -488,7 +567,7 @@ fn generate_inner(
         }
         let klen = key_mask[0].len();
         let keys = key_mask.concat();
-        rows = match (&packed, &head) {
+        rows = match (packed, &head) {
             (Some(p), _) => model.forward_decode(&step_tokens, &next_pos, &keys, &mut cache, p),
             (None, Some(head)) => to_host(model.logits_with_head(
                 model.forward_cached(

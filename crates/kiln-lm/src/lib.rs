@@ -20,8 +20,9 @@ pub mod zoo;
 pub use bert::{EncoderError, Pooling, SentenceEncoder, TextKind};
 pub use config::{ConfigError, RopeScaling, TokenIds, TransformerConfig};
 pub use generate::{
-    FinishReason, Generation, SamplingConfig, SeqCache, generate, generate_reusing, score_tokens,
-    score_tokens_at, score_tokens_with_entropy,
+    FinishReason, Generation, SamplingConfig, SeqCache, generate, generate_packed,
+    generate_reusing, generate_reusing_packed, score_tokens, score_tokens_at,
+    score_tokens_with_entropy,
 };
 pub use gguf::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig};

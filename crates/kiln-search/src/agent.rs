@@ -16,7 +16,10 @@ use std::sync::Arc;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
-use kiln_lm::generate::{Detokenize, SamplingConfig, SeqCache, generate, generate_reusing};
+use kiln_lm::DecodeWeights;
+use kiln_lm::generate::{
+    Detokenize, SamplingConfig, SeqCache, generate_packed, generate_reusing_packed,
+};
 use kiln_lm::{Tokenizer, Transformer};
 use rand_chacha::ChaCha8Rng;
 
@@ -107,9 +110,14 @@ pub struct LmActor<'a> {
     pub reuse_kv: bool,
     /// At most this many bytes of kept keys/values (oldest dropped first; default 2 GiB).
     pub kv_budget_bytes: usize,
+    /// Wall time of packing the weights for the decode steps (seconds; once per actor).
+    pub pack_seconds: f64,
     /// Kept caches of the sequences generated so far (the actor lives for one rollout round, one
     /// set of weights).
     kv: Vec<SeqCache>,
+    /// The weights packed for decode steps ([`Transformer::decode_weights`]), made at the first
+    /// call and kept for the actor's life: it borrows the model, so they cannot go stale.
+    packed: Option<Option<DecodeWeights>>,
 }
 
 impl<'a> LmActor<'a> {
@@ -136,7 +144,9 @@ impl<'a> LmActor<'a> {
             prefill_tokens: 0,
             reuse_kv: true,
             kv_budget_bytes: 2 << 30,
+            pack_seconds: 0.0,
             kv: Vec::new(),
+            packed: None,
         }
     }
 }
@@ -166,6 +176,12 @@ impl TurnPolicy for LmActor<'_> {
                 todo.push((i, ids, room.min(self.sampling.max_new_tokens)));
             }
         }
+        if self.packed.is_none() && !todo.is_empty() {
+            let t = std::time::Instant::now();
+            self.packed = Some(self.model.decode_weights());
+            self.pack_seconds += t.elapsed().as_secs_f64();
+        }
+        let packed = self.packed.as_ref().and_then(Option::as_ref);
         // Group by budget so that no sequence outgrows the window; usually one group.
         todo.sort_by_key(|t| std::cmp::Reverse(t.2));
         let chunk = if self.max_batch == 0 {
@@ -200,13 +216,14 @@ impl TurnPolicy for LmActor<'_> {
                     .collect();
                 let reuse: Vec<Option<&SeqCache>> =
                     src.iter().map(|j| j.map(|j| &self.kv[j])).collect();
-                let (g, kept) = generate_reusing(
+                let (g, kept) = generate_reusing_packed(
                     self.model,
                     &prompts,
                     &cfg,
                     self.rng,
                     Some(&Detok(self.tokenizer)),
                     &reuse,
+                    packed,
                 );
                 // The new caches supersede the ones they continued.
                 let used: std::collections::BTreeSet<usize> = src.into_iter().flatten().collect();
@@ -223,12 +240,13 @@ impl TurnPolicy for LmActor<'_> {
                 }
                 g
             } else {
-                generate(
+                generate_packed(
                     self.model,
                     &prompts,
                     &cfg,
                     self.rng,
                     Some(&Detok(self.tokenizer)),
+                    packed,
                 )
             };
             self.prefill_seconds += g.prefill_seconds;

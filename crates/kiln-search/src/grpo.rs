@@ -300,6 +300,7 @@ impl SearchTask {
         .map_err(task_err)?;
         out.rollout.prefill_seconds += actor.prefill_seconds;
         out.rollout.prefill_tokens += actor.prefill_tokens;
+        out.rollout.pack_seconds += actor.pack_seconds;
         Ok(out)
     }
 

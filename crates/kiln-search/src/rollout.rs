@@ -87,6 +87,10 @@ pub struct RolloutStats {
     /// what was appended since the episode's previous turn (its observation); without it, every turn
     /// re-reads its whole transcript.
     pub prefill_tokens: usize,
+    /// Of `generate_seconds`, packing the weights for the decode steps (the model actor does it once
+    /// per rollout round; `kiln_lm::Transformer::decode_weights`).
+    #[serde(default)]
+    pub pack_seconds: f64,
 }
 
 impl RolloutStats {
@@ -105,6 +109,7 @@ impl RolloutStats {
             ("rollout/search_seconds".into(), self.search_seconds),
             ("rollout/prefill_seconds".into(), self.prefill_seconds),
             ("rollout/prefill_tokens".into(), self.prefill_tokens as f64),
+            ("rollout/pack_seconds".into(), self.pack_seconds),
         ])
     }
 
@@ -120,6 +125,7 @@ impl RolloutStats {
         self.search_seconds += o.search_seconds;
         self.prefill_seconds += o.prefill_seconds;
         self.prefill_tokens += o.prefill_tokens;
+        self.pack_seconds += o.pack_seconds;
     }
 }
 
