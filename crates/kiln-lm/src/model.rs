@@ -1146,6 +1146,27 @@ mod tests {
     /// Decoding through the preallocated cache: a left-padded batch of two, past the buffer's
     /// first capacity (it regrows) or inside a reserved one, a row dropped half-way; every
     /// step's logits equal a full forward of the sequence so far.
+    /// Decode step `s`'s token for each row (a fixed pattern) and its position (the row's real
+    /// tokens so far); appends the tokens to `seqs` and a real key to `real`.
+    fn next_tokens(
+        s: usize,
+        seqs: &mut [Vec<i64>],
+        real: &mut [Vec<bool>],
+    ) -> (Vec<u32>, Vec<i64>) {
+        let toks: Vec<u32> = (0..seqs.len())
+            .map(|r| ((s * 7 + r * 3) % 50) as u32)
+            .collect();
+        let pos: Vec<i64> = real
+            .iter()
+            .map(|m| m.iter().filter(|&&x| x).count() as i64)
+            .collect();
+        for ((seq, m), &t) in seqs.iter_mut().zip(real.iter_mut()).zip(&toks) {
+            seq.push(i64::from(t));
+            m.push(true);
+        }
+        (toks, pos)
+    }
+
     fn decode_against_full_forward(kv: usize, reserve: bool) {
         let device = Device::flex();
         device.seed(5);
@@ -1189,17 +1210,8 @@ mod tests {
                 seqs.remove(0);
                 real.remove(0);
             }
-            let toks: Vec<i64> = (0..seqs.len())
-                .map(|r| ((s * 7 + r * 3) % 50) as i64)
-                .collect();
-            let pos: Vec<i64> = real
-                .iter()
-                .map(|m| m.iter().filter(|&&x| x).count() as i64)
-                .collect();
-            for (r, seq) in seqs.iter_mut().enumerate() {
-                seq.push(toks[r]);
-                real[r].push(true);
-            }
+            let (toks, pos) = next_tokens(s, &mut seqs, &mut real);
+            let toks: Vec<i64> = toks.into_iter().map(i64::from).collect();
             let n = seqs.len();
             let h = model.forward_cached(
                 Tensor::from_data(TensorData::new(toks, [n, 1]), &device),
@@ -1323,17 +1335,7 @@ mod tests {
                 seqs.truncate(1);
                 real.truncate(1);
             }
-            let toks: Vec<u32> = (0..seqs.len())
-                .map(|r| ((s * 7 + r * 3) % 50) as u32)
-                .collect();
-            let pos: Vec<i64> = real
-                .iter()
-                .map(|m| m.iter().filter(|&&x| x).count() as i64)
-                .collect();
-            for (r, seq) in seqs.iter_mut().enumerate() {
-                seq.push(toks[r] as i64);
-                real[r].push(true);
-            }
+            let (toks, pos) = next_tokens(s, &mut seqs, &mut real);
             let got = model.forward_decode(&toks, &pos, &real.concat(), &mut cache, &weights);
             let rows: Vec<&[i64]> = seqs.iter().map(Vec::as_slice).collect();
             let t = seqs[0].len();
