@@ -7,6 +7,7 @@ pub mod bert;
 pub mod cli;
 pub mod config;
 pub mod diffusion;
+pub mod fused;
 pub mod generate;
 pub mod gguf;
 pub mod lora;

@@ -162,9 +162,16 @@ pub(crate) fn project<const D: usize>(
     lora: &Option<LoraAdapter>,
     x: Tensor<D>,
 ) -> Tensor<D> {
+    let base = |x| {
+        crate::fused::linear(
+            x,
+            linear.weight.val(),
+            linear.bias.as_ref().map(|b| b.val()),
+        )
+    };
     match lora {
-        Some(l) => linear.forward(x.clone()) + l.delta(x),
-        None => linear.forward(x),
+        Some(l) => base(x.clone()) + l.delta(x),
+        None => base(x),
     }
 }
 

@@ -7,12 +7,13 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::module::{attention, linear};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::config::TransformerConfig;
+use crate::fused::{rope, swiglu};
 use crate::lora::{LoraAdapter, project};
 use crate::skinny::{PackedMatrix, Part};
 
@@ -38,10 +39,10 @@ pub(crate) fn init_rms_norm(d: usize, eps: f64, device: &Device) -> RmsNorm {
     }
 }
 
-/// RMSNorm computed like HF (`x * rsqrt(mean(x^2) + eps) * weight`).
+/// RMSNorm computed like HF (`x * rsqrt(mean(x^2) + eps) * weight`); one fused pass on the CPU
+/// ([`crate::fused::rms_norm`]).
 fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
-    let rms = (x.clone().square().mean_dim(D - 1) + norm.epsilon).sqrt();
-    (x / rms) * norm.gamma.val().unsqueeze()
+    crate::fused::rms_norm(x, norm.gamma.val(), norm.epsilon)
 }
 
 /// Self-attention with RoPE and grouped-query heads.
@@ -403,17 +404,6 @@ fn rope_tables(
     (emb.clone().cos().detach(), emb.sin().detach())
 }
 
-fn rotate_half(x: Tensor<4>) -> Tensor<4> {
-    let [b, h, t, d] = x.dims();
-    let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
-    let x2 = x.slice([0..b, 0..h, 0..t, d / 2..d]);
-    Tensor::cat(vec![x2.neg(), x1], 3)
-}
-
-fn apply_rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-    x.clone() * cos.clone() + rotate_half(x) * sin.clone()
-}
-
 /// Repeat each key/value head `n` times along dim 1 (`[B, kvh, T, d] -> [B, kvh*n, T, d]`).
 fn repeat_kv(x: Tensor<4>, n: usize) -> Tensor<4> {
     if n == 1 {
@@ -429,25 +419,29 @@ impl Attention {
     fn forward(
         &self,
         x: Tensor<3>,
-        rope: &(Tensor<4>, Tensor<4>),
+        rope_tables: &(Tensor<4>, Tensor<4>),
         mask: Option<Tensor<4, Bool>>,
         is_causal: bool,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let [b, t, _] = x.dims();
         let (h, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = project(&self.q_proj, &self.q_lora, x.clone())
-            .reshape([b, t, h, hd])
-            .swap_dims(1, 2);
-        let k = project(&self.k_proj, &self.k_lora, x.clone())
+        // RoPE on the projections' own `[B, T, heads, head_dim]` layout, then heads first.
+        let q = rope(
+            project(&self.q_proj, &self.q_lora, x.clone()).reshape([b, t, h, hd]),
+            &rope_tables.0,
+            &rope_tables.1,
+        )
+        .swap_dims(1, 2);
+        let mut k = rope(
+            project(&self.k_proj, &self.k_lora, x.clone()).reshape([b, t, kvh, hd]),
+            &rope_tables.0,
+            &rope_tables.1,
+        )
+        .swap_dims(1, 2);
+        let mut v = project(&self.v_proj, &self.v_lora, x)
             .reshape([b, t, kvh, hd])
             .swap_dims(1, 2);
-        let v = project(&self.v_proj, &self.v_lora, x)
-            .reshape([b, t, kvh, hd])
-            .swap_dims(1, 2);
-        let q = apply_rope(q, &rope.0, &rope.1);
-        let mut k = apply_rope(k, &rope.0, &rope.1);
-        let mut v = v;
         if let Some(cache) = cache {
             let had = cache.len > 0;
             cache.append(k.clone(), v.clone());
@@ -512,9 +506,9 @@ fn x_needs_repeat(q: &Tensor<4>, h: usize, kvh: usize) -> bool {
 
 impl Mlp {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let g = silu(project(&self.gate_proj, &self.gate_lora, x.clone()));
+        let g = project(&self.gate_proj, &self.gate_lora, x.clone());
         let u = project(&self.up_proj, &self.up_lora, x);
-        project(&self.down_proj, &self.down_lora, g * u)
+        project(&self.down_proj, &self.down_lora, swiglu(g, u))
     }
 }
 
@@ -877,8 +871,12 @@ impl Transformer {
     /// Output projection of already-normed hidden states `[B, T, hidden]` -> `[B, T, vocab]`.
     pub fn logits_from_normed(&self, normed: Tensor<3>) -> Tensor<3> {
         match &self.lm_head {
-            Some(head) => head.forward(normed),
-            None => linear(normed, self.embed_tokens.weight.val().transpose(), None),
+            Some(head) => crate::fused::linear(
+                normed,
+                head.weight.val(),
+                head.bias.as_ref().map(|b| b.val()),
+            ),
+            None => crate::fused::linear(normed, self.embed_tokens.weight.val().transpose(), None),
         }
     }
 

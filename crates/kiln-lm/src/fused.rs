@@ -1,0 +1,792 @@
+//! Fused CPU kernels for the transformer's memory-bound ops, forward and backward:
+//!
+//! | op | forward | backward (given `g = dL/dy`) |
+//! |---|---|---|
+//! | [`swiglu`] | `y = silu(a) * b = a * s * b`, `s = 1 / (1 + e^-a)` | `da = g * b * s * (1 + a * (1 - s))`, `db = g * a * s` |
+//! | [`rms_norm`] | `y = x * r * gamma`, `r = 1 / sqrt(mean(x^2) + eps)` per row | `dx = r * (u - x̂ * mean(u * x̂))` with `x̂ = x * r`, `u = g * gamma`; `dgamma = Σ_rows g * x̂` |
+//! | [`rope`] | `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s` (halves of each head) | `dx1 = g1 c + g2 s`, `dx2 = g2 c - g1 s` |
+//!
+//! Why hand-written: burn-flex (0.22) runs each elementwise op of a composite on one thread and
+//! keeps every intermediate for the backward pass. A SmolLM2 train step spent ~60% of its wall time
+//! on one core in those passes (RMSNorm alone is 6 forward and ~10 backward passes with broadcasts)
+//! while `gemm` used both. Each op here is one pass forward and one pass backward, split over the
+//! rayon pool, keeping only its inputs (and the per-row `r` of the norm).
+//!
+//! The ops are a burn backend extension ([`FusedOps`]) for `Flex` and `Autodiff<Flex>`; the
+//! public functions take `Tensor`s and fall back to the same arithmetic in burn ops on every other
+//! backend (wgpu, ...) and dtype, so the model code calls them unconditionally. f32 only on the
+//! fused path; results equal the composites up to float rounding (tests below).
+
+use burn::backend::autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::tensor::activation::silu;
+use burn::tensor::{Bytes, DType, Device, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Elements per rayon task: below this an op runs on the calling thread.
+const GRAIN: usize = 1 << 14;
+
+/// The fused ops as a burn backend extension: implemented for `Flex` (host kernels) and
+/// `Autodiff<Flex>` (the same kernels with hand-written backward steps).
+#[backend_extension(Flex, Autodiff)]
+pub trait FusedOps: Backend {
+    /// `silu(a) * b`, same shapes.
+    fn fused_swiglu(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// RMSNorm over the last axis of `x` with weight `gamma` `[d]`.
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self>;
+    /// `x W` for `x` `[.., K]` and `W` `[K, N]` (any strides), `[.., N]`.
+    fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Rotate-half RoPE of `x` `[B, T, H, D]` with tables `cos`, `sin` `[B, 1, T, D]` (halves equal).
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+/// Whether `t` takes the fused path: f32 on the Flex device (with or without autodiff).
+fn fused_path<const D: usize>(t: &Tensor<D>) -> bool {
+    t.dtype() == DType::F32
+        && t.device().inner() == Device::flex()
+        && std::env::var_os("KILN_FUSED_OFF").is_none()
+}
+
+/// `silu(a) * b` (the SwiGLU activation), `a` and `b` of one shape.
+pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    if fused_path(&a) && a.dims() == b.dims() {
+        Tensor::from_dispatch(<Dispatch as FusedOps>::fused_swiglu(
+            a.into_dispatch(),
+            b.into_dispatch(),
+        ))
+    } else {
+        silu(a) * b
+    }
+}
+
+/// `x W (+ bias)` for `x` `[.., K]`, `W` `[K, N]` (a transposed view is fine: tied embeddings),
+/// `bias` `[N]`: burn's `linear`, with the product as one `gemm` call over the flattened rows on
+/// the CPU (forward and both backward products), outputs written in place.
+pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<D> {
+    if fused_path(&x) && D >= 2 && x.dims()[D - 1] == w.dims()[0] && w.dtype() == DType::F32 {
+        let y = Tensor::<D>::from_dispatch(<Dispatch as FusedOps>::fused_linear(
+            x.into_dispatch(),
+            w.into_dispatch(),
+        ));
+        match bias {
+            Some(b) => y + b.unsqueeze(),
+            None => y,
+        }
+    } else {
+        burn::tensor::module::linear(x, w, bias)
+    }
+}
+
+/// RMSNorm as HF computes it, `x * rsqrt(mean(x^2, -1) + eps) * gamma`, over the last axis.
+pub fn rms_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, eps: f64) -> Tensor<D> {
+    if fused_path(&x) && x.dims()[D - 1] == gamma.dims()[0] {
+        Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rms_norm(
+            x.into_dispatch(),
+            gamma.into_dispatch(),
+            eps,
+        ))
+    } else {
+        let rms = (x.clone().square().mean_dim(D - 1) + eps).sqrt();
+        (x / rms) * gamma.unsqueeze()
+    }
+}
+
+/// Rotate-half RoPE of `x` `[B, T, H, D]` (heads after time, as a projection's output reshapes
+/// to) with the tables `cos`, `sin` `[B, 1, T, D]` whose two halves are equal (HF's
+/// `cat(freqs, freqs)`); the tables are constants (no gradient flows into them).
+pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+    let [b, t, _, d] = x.dims();
+    if fused_path(&x) && d % 2 == 0 && cos.dims() == [b, 1, t, d] && sin.dims() == [b, 1, t, d] {
+        Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rope(
+            x.into_dispatch(),
+            cos.clone().into_dispatch(),
+            sin.clone().into_dispatch(),
+        ))
+    } else {
+        let x = x.swap_dims(1, 2);
+        let [b, h, t, d] = x.dims();
+        let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
+        let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        (x * cos.clone() + rotated * sin.clone()).swap_dims(1, 2)
+    }
+}
+
+// ---------------------------------------------------------------- host kernels (f32, contiguous)
+
+fn par_rows<F>(out: &mut [f32], row: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    let rows_per_task = (GRAIN / row.max(1)).max(1);
+    if out.len() <= GRAIN {
+        for (i, o) in out.chunks_mut(row).enumerate() {
+            f(i, o);
+        }
+    } else {
+        out.par_chunks_mut(rows_per_task * row)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (i, o) in chunk.chunks_mut(row).enumerate() {
+                    f(c * rows_per_task + i, o);
+                }
+            });
+    }
+}
+
+#[inline]
+fn sigmoid(a: f32) -> f32 {
+    1.0 / (1.0 + (-a).exp())
+}
+
+/// `out = silu(a) * b`.
+pub fn swiglu_forward(a: &[f32], b: &[f32], out: &mut [f32]) {
+    let k = 1024;
+    par_rows(out, k, |i, o| {
+        let s = i * k;
+        for ((o, &a), &b) in o.iter_mut().zip(&a[s..]).zip(&b[s..]) {
+            *o = a * sigmoid(a) * b;
+        }
+    });
+}
+
+/// `(da, db)` of [`swiglu_forward`] for the upstream gradient `g`.
+pub fn swiglu_backward(a: &[f32], b: &[f32], g: &[f32], da: &mut [f32], db: &mut [f32]) {
+    let k = 1024;
+    let f = |(da, db): (&mut [f32], &mut [f32]), s: usize| {
+        for (j, (da, db)) in da.iter_mut().zip(db.iter_mut()).enumerate() {
+            let (a, b, g) = (a[s + j], b[s + j], g[s + j]);
+            let sg = sigmoid(a);
+            *da = g * b * sg * (1.0 + a * (1.0 - sg));
+            *db = g * a * sg;
+        }
+    };
+    if da.len() <= GRAIN {
+        f((da, db), 0);
+    } else {
+        da.par_chunks_mut(k)
+            .zip(db.par_chunks_mut(k))
+            .enumerate()
+            .with_min_len(GRAIN / k)
+            .for_each(|(i, pair)| f(pair, i * k));
+    }
+}
+
+/// RMSNorm of the rows of `x` (`gamma.len()` wide) into `out`; returns `r` per row.
+pub fn rms_norm_forward(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32]) -> Vec<f32> {
+    let d = gamma.len();
+    let mut r = vec![0.0f32; x.len() / d];
+    let f = |i: usize, o: &mut [f32], r: &mut f32| {
+        let row = &x[i * d..(i + 1) * d];
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        *r = 1.0 / (ms + eps).sqrt();
+        for ((o, &v), &w) in o.iter_mut().zip(row).zip(gamma) {
+            *o = v * *r * w;
+        }
+    };
+    if x.len() <= GRAIN {
+        for (i, (o, r)) in out.chunks_mut(d).zip(r.iter_mut()).enumerate() {
+            f(i, o, r);
+        }
+    } else {
+        out.par_chunks_mut(d)
+            .zip(r.par_iter_mut())
+            .enumerate()
+            .with_min_len((GRAIN / d).max(1))
+            .for_each(|(i, (o, r))| f(i, o, r));
+    }
+    r
+}
+
+/// `dx` of [`rms_norm_forward`] into `dx`, and `dgamma` when `want_dgamma`.
+pub fn rms_norm_backward(
+    x: &[f32],
+    gamma: &[f32],
+    r: &[f32],
+    g: &[f32],
+    dx: &mut [f32],
+    want_dgamma: bool,
+) -> Option<Vec<f32>> {
+    let d = gamma.len();
+    let rows_per_task = (GRAIN / d).max(1);
+    // Each task: its rows' dx, and its partial dgamma (summed after, in task order).
+    let task = |t: usize, dx: &mut [f32]| -> Vec<f32> {
+        let mut dgamma = if want_dgamma {
+            vec![0.0f32; d]
+        } else {
+            Vec::new()
+        };
+        for (k, dxr) in dx.chunks_mut(d).enumerate() {
+            let i = t * rows_per_task + k;
+            let (xr, gr, ri) = (&x[i * d..(i + 1) * d], &g[i * d..(i + 1) * d], r[i]);
+            let mut dot = 0.0f32;
+            for j in 0..d {
+                dot += gr[j] * gamma[j] * xr[j] * ri;
+            }
+            let mean = dot / d as f32;
+            for j in 0..d {
+                let xhat = xr[j] * ri;
+                dxr[j] = ri * (gr[j] * gamma[j] - xhat * mean);
+            }
+            if want_dgamma {
+                for j in 0..d {
+                    dgamma[j] += gr[j] * xr[j] * ri;
+                }
+            }
+        }
+        dgamma
+    };
+    let parts: Vec<Vec<f32>> = if x.len() <= GRAIN {
+        vec![task(0, dx)]
+    } else {
+        dx.par_chunks_mut(rows_per_task * d)
+            .enumerate()
+            .map(|(t, c)| task(t, c))
+            .collect()
+    };
+    want_dgamma.then(|| {
+        let mut total = vec![0.0f32; d];
+        for p in parts {
+            for (t, v) in total.iter_mut().zip(p) {
+                *t += v;
+            }
+        }
+        total
+    })
+}
+
+/// RoPE of `x` `[B, T, H, D]` with tables `[B, 1, T, D]` (only each row's first half is read);
+/// `sign` = 1 forward, -1 for the backward (the transposed rotation).
+pub fn rope_apply(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    heads: usize,
+    d: usize,
+    sign: f32,
+    out: &mut [f32],
+) {
+    let half = d / 2;
+    let row = heads * d; // one (b, t)
+    par_rows(out, row, |bt, o| {
+        let (c, s) = (&cos[bt * d..bt * d + half], &sin[bt * d..bt * d + half]);
+        let xr = &x[bt * row..(bt + 1) * row];
+        for h in 0..heads {
+            let (xh, oh) = (&xr[h * d..(h + 1) * d], &mut o[h * d..(h + 1) * d]);
+            let (x1, x2) = xh.split_at(half);
+            let (o1, o2) = oh.split_at_mut(half);
+            for j in 0..half {
+                let sj = sign * s[j];
+                o1[j] = x1[j] * c[j] - x2[j] * sj;
+                o2[j] = x2[j] * c[j] + x1[j] * sj;
+            }
+        }
+    });
+}
+
+/// `dst [m, n] = lhs [m, k] rhs [k, n]` (row-major `dst`; `lhs`, `rhs` given by element strides
+/// `(row, col)`), into a fresh vector; rayon-parallel above ~2M multiply-adds.
+///
+/// # Safety
+/// `lhs` and `rhs` must point to matrices of those shapes and strides.
+unsafe fn gemm_new(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (isize, isize),
+) -> Vec<f32> {
+    if k == 0 || m == 0 || n == 0 {
+        return vec![0.0; m * n];
+    }
+    let parallelism = if m * n * k >= 1 << 21 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let mut dst: Vec<f32> = Vec::with_capacity(m * n);
+    // SAFETY: `dst` has room for m * n elements, row-major (row stride n, column stride 1);
+    // `read_dst = false` (dst = 1 * lhs * rhs) writes every element without reading any, so
+    // the length can be set after; the caller vouches for lhs and rhs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        dst.set_len(m * n);
+    }
+    dst
+}
+
+/// A 2-D tensor's element pointer and `(row, col)` strides.
+fn matrix(t: &FlexTensor) -> (*const f32, (isize, isize)) {
+    let l = t.layout();
+    let s = l.strides();
+    // SAFETY (of the offset): the layout's start offset lies inside its storage.
+    let ptr = unsafe { t.storage::<f32>().as_ptr().add(l.start_offset()) };
+    (ptr, (s[0], s[1]))
+}
+
+/// `x [.., K] W [K, N]`; `x` contiguous.
+fn linear_flex(x: &FlexTensor, w: &FlexTensor) -> FlexTensor {
+    let xs = shape_of(x);
+    let ws = shape_of(w);
+    let (k, n) = (ws[0], ws[1]);
+    let m = host(x).len() / k.max(1);
+    let (wp, wst) = matrix(w);
+    // SAFETY: x is contiguous [m, k]; w's pointer and strides come from its own layout.
+    let y = unsafe { gemm_new(m, n, k, host(x).as_ptr(), (k as isize, 1), wp, wst) };
+    let mut dims: Vec<usize> = xs.iter().copied().collect();
+    *dims.last_mut().expect("rank >= 2") = n;
+    flex(y, Shape::from(dims))
+}
+
+// ---------------------------------------------------------------- Flex glue
+
+/// `t` as a contiguous tensor (a copy only when it is a strided view).
+fn contiguous(t: FlexTensor) -> FlexTensor {
+    if t.layout().contiguous_offsets().is_some() {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+/// The elements of a contiguous f32 tensor.
+fn host(t: &FlexTensor) -> &[f32] {
+    let (a, b) = t.layout().contiguous_offsets().expect("contiguous");
+    &t.storage::<f32>()[a..b]
+}
+
+fn flex(v: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::new(Bytes::from_elems(v), Layout::contiguous(shape), DType::F32)
+}
+
+fn shape_of(t: &FlexTensor) -> Shape {
+    t.layout().shape().clone()
+}
+
+fn swiglu_flex(a: &FlexTensor, b: &FlexTensor) -> FlexTensor {
+    let mut out = vec![0.0; host(a).len()];
+    swiglu_forward(host(a), host(b), &mut out);
+    flex(out, shape_of(a))
+}
+
+fn rms_flex(x: &FlexTensor, gamma: &FlexTensor, eps: f64) -> (FlexTensor, Vec<f32>) {
+    let mut out = vec![0.0; host(x).len()];
+    let r = rms_norm_forward(host(x), host(gamma), eps as f32, &mut out);
+    (flex(out, shape_of(x)), r)
+}
+
+fn rope_flex(x: &FlexTensor, cos: &FlexTensor, sin: &FlexTensor, sign: f32) -> FlexTensor {
+    let shape = shape_of(x);
+    let (h, d) = (shape[2], shape[3]);
+    let mut out = vec![0.0; host(x).len()];
+    rope_apply(host(x), host(cos), host(sin), h, d, sign, &mut out);
+    flex(out, shape)
+}
+
+impl FusedOps for Flex {
+    fn fused_swiglu(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+        swiglu_flex(&contiguous(a), &contiguous(b))
+    }
+
+    fn fused_rms_norm(x: FlexTensor, gamma: FlexTensor, eps: f64) -> FlexTensor {
+        rms_flex(&contiguous(x), &contiguous(gamma), eps).0
+    }
+
+    fn fused_rope(x: FlexTensor, cos: FlexTensor, sin: FlexTensor) -> FlexTensor {
+        rope_flex(&contiguous(x), &contiguous(cos), &contiguous(sin), 1.0)
+    }
+
+    fn fused_linear(x: FlexTensor, w: FlexTensor) -> FlexTensor {
+        linear_flex(&contiguous(x), &w)
+    }
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl Backward<Flex, 2> for LinearBackward {
+    /// `x` (contiguous), `W`.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let g = contiguous(grads.consume::<Flex>(&ops.node));
+        let (x, w) = ops.state;
+        let ws = shape_of(&w);
+        let (k, n) = (ws[0], ws[1]);
+        let m = host(&x).len() / k.max(1);
+        let gp = host(&g).as_ptr();
+        if let Some(node) = node_x {
+            // dx [m, k] = g [m, n] W^T: W^T's element (j, i) is W's (i, j).
+            let (wp, (w_rs, w_cs)) = matrix(&w);
+            // SAFETY: g is contiguous [m, n]; W^T is W's storage with swapped strides.
+            let dx = unsafe { gemm_new(m, k, n, gp, (n as isize, 1), wp, (w_cs, w_rs)) };
+            grads.register::<Flex>(node.id, flex(dx, shape_of(&x)));
+        }
+        if let Some(node) = node_w {
+            // dW [k, n] = x^T [k, m] g [m, n].
+            // SAFETY: x is contiguous [m, k], read transposed; g contiguous [m, n].
+            let dw = unsafe {
+                gemm_new(
+                    k,
+                    n,
+                    m,
+                    host(&x).as_ptr(),
+                    (1, k as isize),
+                    gp,
+                    (n as isize, 1),
+                )
+            };
+            grads.register::<Flex>(node.id, flex(dw, ws));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<Flex, 2> for SwigluBackward {
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_a, node_b] = ops.parents;
+        let g = contiguous(grads.consume::<Flex>(&ops.node));
+        let (a, b) = ops.state;
+        let n = host(&a).len();
+        let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
+        swiglu_backward(host(&a), host(&b), host(&g), &mut da, &mut db);
+        if let Some(node) = node_a {
+            grads.register::<Flex>(node.id, flex(da, shape_of(&a)));
+        }
+        if let Some(node) = node_b {
+            grads.register::<Flex>(node.id, flex(db, shape_of(&b)));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl Backward<Flex, 2> for RmsNormBackward {
+    /// `x`, `gamma`, `r` per row.
+    type State = (FlexTensor, FlexTensor, Vec<f32>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_gamma] = ops.parents;
+        let g = contiguous(grads.consume::<Flex>(&ops.node));
+        let (x, gamma, r) = ops.state;
+        let mut dx = vec![0.0; host(&x).len()];
+        let dgamma = rms_norm_backward(
+            host(&x),
+            host(&gamma),
+            &r,
+            host(&g),
+            &mut dx,
+            node_gamma.is_some(),
+        );
+        if let Some(node) = node_x {
+            grads.register::<Flex>(node.id, flex(dx, shape_of(&x)));
+        }
+        if let (Some(node), Some(dg)) = (node_gamma, dgamma) {
+            grads.register::<Flex>(node.id, flex(dg, shape_of(&gamma)));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RopeBackward;
+
+impl Backward<Flex, 1> for RopeBackward {
+    /// The tables.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let g = contiguous(grads.consume::<Flex>(&ops.node));
+        let (cos, sin) = ops.state;
+        if let Some(node) = node_x {
+            grads.register::<Flex>(node.id, rope_flex(&g, &cos, &sin, -1.0));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
+    fn fused_swiglu(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        match SwigluBackward
+            .prepare::<C>([a.node(), b.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let a = contiguous(a.into_primitive());
+                let b = contiguous(b.into_primitive());
+                let out = swiglu_flex(&a, &b);
+                prep.finish((a, b), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(Flex::fused_swiglu(a.into_primitive(), b.into_primitive()))
+            }
+        }
+    }
+
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        match RmsNormBackward
+            .prepare::<C>([x.node(), gamma.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let x = contiguous(x.into_primitive());
+                let gamma = contiguous(gamma.into_primitive());
+                let (out, r) = rms_flex(&x, &gamma, eps);
+                prep.finish((x, gamma, r), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::fused_rms_norm(
+                x.into_primitive(),
+                gamma.into_primitive(),
+                eps,
+            )),
+        }
+    }
+
+    fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        match LinearBackward
+            .prepare::<C>([x.node(), w.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let x = contiguous(x.into_primitive());
+                let w = w.into_primitive();
+                let out = linear_flex(&x, &w);
+                prep.finish((x, w), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(Flex::fused_linear(x.into_primitive(), w.into_primitive()))
+            }
+        }
+    }
+
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let cos = contiguous(cos.into_primitive());
+        let sin = contiguous(sin.into_primitive());
+        match RopeBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = rope_flex(&contiguous(x.into_primitive()), &cos, &sin, 1.0);
+                prep.finish((cos, sin), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(rope_flex(&contiguous(x.into_primitive()), &cos, &sin, 1.0))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each fused op against the same arithmetic written with burn's own ops (forward values and
+    //! the gradients of a random projection of the output), on the autodiff CPU device, over
+    //! shapes that take both the single-thread and the rayon path.
+    use super::*;
+    use burn::tensor::{Distribution, TensorData};
+
+    fn ad() -> Device {
+        Device::flex().autodiff()
+    }
+
+    fn rand<const D: usize>(dims: [usize; D], seed: u64) -> Tensor<D> {
+        Device::flex().seed(seed);
+        Tensor::<D>::random(dims, Distribution::Normal(0.0, 1.0), &ad())
+    }
+
+    fn max_diff<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f32 {
+        let a = a.into_data().try_to_vec::<f32>().unwrap();
+        let b = b.into_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+            .fold(0.0, f32::max)
+    }
+
+    /// Forward and input gradients of `f` (fused) and `r` (reference) at `inputs`, with
+    /// `L = sum(y * proj)`: the largest relative differences (forward, gradients).
+    fn compare<const D: usize, const N: usize, const O: usize>(
+        inputs: [Tensor<D>; N],
+        f: impl Fn(&[Tensor<D>]) -> Tensor<O>,
+        r: impl Fn(&[Tensor<D>]) -> Tensor<O>,
+    ) -> (f32, f32) {
+        let run = |g: &dyn Fn(&[Tensor<D>]) -> Tensor<O>| {
+            let xs: Vec<Tensor<D>> = inputs
+                .iter()
+                .map(|t| Tensor::from_data(t.to_data(), &ad()).require_grad())
+                .collect();
+            let y = g(&xs);
+            let proj = rand(y.dims(), 99);
+            let grads = (y.clone() * proj).sum().backward();
+            let gs: Vec<Tensor<D>> = xs
+                .iter()
+                .map(|x| x.grad(&grads).unwrap().autodiff())
+                .collect();
+            (y, gs)
+        };
+        let (yf, gf) = run(&f);
+        let (yr, gr) = run(&r);
+        let dy = max_diff(yf, yr);
+        let dg = gf
+            .into_iter()
+            .zip(gr)
+            .map(|(a, b)| max_diff(a, b))
+            .fold(0.0, f32::max);
+        (dy, dg)
+    }
+
+    #[test]
+    fn the_cpu_devices_take_the_fused_path() {
+        // The comparisons below are only meaningful when the fused kernels run.
+        assert!(fused_path(&rand([2, 2], 0)));
+        assert!(fused_path(&Tensor::<2>::zeros([2, 2], &Device::flex())));
+        let f64_tensor = Tensor::<2>::zeros([2, 2], (&Device::flex(), DType::F64));
+        assert!(!fused_path(&f64_tensor));
+    }
+
+    #[test]
+    fn swiglu_matches_silu_times_up() {
+        for n in [7, 40_000] {
+            let (dy, dg) = compare(
+                [rand([2, n], 1), rand([2, n], 2)],
+                |x| swiglu(x[0].clone(), x[1].clone()),
+                |x| silu(x[0].clone()) * x[1].clone(),
+            );
+            assert!(dy < 1e-5 && dg < 1e-5, "n {n}: {dy} {dg}");
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_the_composite_with_gamma_gradients() {
+        for rows in [3, 300] {
+            let (dy, dg) = compare(
+                [rand([rows, 96], 3), rand([1, 96], 4)],
+                |x| rms_norm(x[0].clone(), x[1].clone().reshape([96]), 1e-5),
+                |x| {
+                    let rms = (x[0].clone().square().mean_dim(1) + 1e-5).sqrt();
+                    (x[0].clone() / rms) * x[1].clone()
+                },
+            );
+            assert!(dy < 1e-5 && dg < 2e-5, "rows {rows}: {dy} {dg}");
+        }
+    }
+
+    #[test]
+    fn rope_matches_rotate_half() {
+        let (b, t, h, d) = (2, 70, 3, 16);
+        // Tables with equal halves, as the model builds them.
+        let freqs = rand([b, 1, t, d / 2], 5);
+        let emb = Tensor::cat(vec![freqs.clone(), freqs], 3);
+        let (cos, sin) = (emb.clone().cos().detach(), emb.sin().detach());
+        let (dy, dg) = compare(
+            [rand([b, t, h, d], 6)],
+            |x| rope(x[0].clone(), &cos, &sin),
+            |x| {
+                let x = x[0].clone().swap_dims(1, 2);
+                let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
+                let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+                let rot = Tensor::cat(vec![x2.neg(), x1], 3);
+                (x * cos.clone() + rot * sin.clone()).swap_dims(1, 2)
+            },
+        );
+        assert!(dy < 1e-5 && dg < 1e-5, "{dy} {dg}");
+    }
+
+    #[test]
+    fn linear_matches_matmul_also_with_a_transposed_weight() {
+        for (m, k, n) in [(3, 5, 4), (130, 64, 300)] {
+            // Weight stored [N, K] and used transposed (tied embeddings), or stored [K, N].
+            let (dy, dg) = compare(
+                [rand([2, m, k], 7), rand([1, n, k], 8)],
+                |x| linear(x[0].clone(), x[1].clone().reshape([n, k]).transpose(), None),
+                |x| {
+                    x[0].clone()
+                        .matmul(x[1].clone().reshape([n, k]).transpose().unsqueeze())
+                },
+            );
+            assert!(dy < 1e-4 && dg < 1e-4, "{m}x{k}x{n} transposed: {dy} {dg}");
+            let (dy, dg) = compare(
+                [rand([2, m, k], 9), rand([1, k, n], 10)],
+                |x| linear(x[0].clone(), x[1].clone().reshape([k, n]), None),
+                |x| x[0].clone().matmul(x[1].clone()),
+            );
+            assert!(dy < 1e-4 && dg < 1e-4, "{m}x{k}x{n}: {dy} {dg}");
+        }
+    }
+
+    #[test]
+    fn linear_adds_the_bias_and_skips_untracked_weights() {
+        let x = Tensor::<3>::from_data(
+            TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [1, 2, 2]),
+            &ad(),
+        )
+        .require_grad();
+        let w = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 0.0, 0.0, 2.0], [2, 2]), &ad());
+        let bias = Tensor::<1>::from_data(TensorData::new(vec![0.5f32, -0.5], [2]), &ad());
+        let y = linear(x.clone(), w.clone(), Some(bias));
+        assert_eq!(
+            y.to_data().try_to_vec::<f32>().unwrap(),
+            vec![1.5, 3.5, 3.5, 7.5]
+        );
+        let grads = y.sum().backward();
+        assert_eq!(
+            x.grad(&grads).unwrap().to_data().try_to_vec::<f32>().unwrap(),
+            vec![1.0, 2.0, 1.0, 2.0]
+        );
+        assert!(w.grad(&grads).is_none());
+    }
+}
