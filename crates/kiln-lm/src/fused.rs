@@ -46,6 +46,16 @@ pub trait FusedOps: Backend {
     ) -> FloatTensor<Self>;
     /// `x W` for `x` `[.., K]` and `W` `[K, N]` (any strides), `[.., N]`.
     fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Scaled dot-product attention of `q` `[B, T, H, D]` over `k`, `v` `[B, T, KVH, D]`
+    /// (grouped heads), keys allowed where `keep` `[B, T]` is 1 (and, when `causal`, at or
+    /// before the query), `[B, T, H, D]`; a row with no allowed key is zero.
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        keep: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self>;
     /// Rotate-half RoPE of `x` `[B, T, H, D]` with tables `cos`, `sin` `[B, 1, T, D]` (halves equal).
     fn fused_rope(
         x: FloatTensor<Self>,
@@ -89,6 +99,50 @@ pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>
     } else {
         burn::tensor::module::linear(x, w, bias)
     }
+}
+
+/// Training-time self-attention on the projections' layout: `q` `[B, T, H, D]`, `k`, `v`
+/// `[B, T, KVH, D]` (`H` a multiple of `KVH`), `mask` `[B, 1, 1, T]` true on forbidden keys
+/// (key padding), causal or not; `softmax(q k^T / sqrt(D)) v` as `[B, T, H, D]`, a row whose
+/// keys are all forbidden giving zeros (as burn's attention does). One task per (row, head):
+/// the `[T, T]` scores live only inside it, and the backward pass recomputes them from the
+/// saved log-sum-exp (no `[B, H, T, T]` probabilities kept between passes).
+///
+/// `None` where the fused kernel does not apply (not the CPU device, other dtypes, other mask
+/// shapes): the caller runs burn's attention.
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<Tensor<4, burn::tensor::Bool>>,
+    causal: bool,
+) -> Option<Tensor<4>> {
+    let [b, t, h, d] = q.dims();
+    let [_, _, kvh, _] = k.dims();
+    let mask_ok = mask.as_ref().is_none_or(|m| m.dims() == [b, 1, 1, t]);
+    if !fused_path(&q)
+        || !mask_ok
+        || kvh == 0
+        || h % kvh != 0
+        || k.dims() != [b, t, kvh, d]
+        || v.dims() != [b, t, kvh, d]
+    {
+        return None;
+    }
+    let device = q.device().inner();
+    let keep = match mask {
+        Some(m) => m.reshape([b, t]).bool_not().float().to_device(&device),
+        None => Tensor::<2>::ones([b, t], &device),
+    };
+    Some(Tensor::from_dispatch(
+        <Dispatch as FusedOps>::fused_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            keep.into_dispatch(),
+            causal,
+        ),
+    ))
 }
 
 /// RMSNorm as HF computes it, `x * rsqrt(mean(x^2, -1) + eps) * gamma`, over the last axis.
@@ -374,6 +428,307 @@ fn linear_flex(x: &FlexTensor, w: &FlexTensor) -> FlexTensor {
     flex(y, Shape::from(dims))
 }
 
+/// A raw pointer that rayon tasks may share: each task writes a disjoint set of elements.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: used only where the tasks' writes are disjoint (documented at each use).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The pointer (a method, so that closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Shapes of one attention call.
+#[derive(Clone, Copy)]
+struct Attn {
+    b: usize,
+    t: usize,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    causal: bool,
+}
+
+impl Attn {
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+    /// Offset of (row, time 0, head) in a `[B, T, heads, D]` buffer.
+    fn at(&self, bi: usize, head: usize, heads: usize) -> usize {
+        bi * self.t * heads * self.d + head * self.d
+    }
+    fn allowed(&self, keep: &[f32], bi: usize, i: usize, j: usize) -> bool {
+        (!self.causal || j <= i) && keep[bi * self.t + j] > 0.5
+    }
+}
+
+/// `s [T, T] = scale * q_bh k_bh^T` for one (row, head).
+///
+/// # Safety
+/// `q`, `k` point at the head's first element in `[B, T, heads, D]` buffers.
+unsafe fn scores(a: &Attn, q: *const f32, k: *const f32, s: &mut [f32]) {
+    let (t, d) = (a.t, a.d);
+    // SAFETY: q rows are `h * d` apart, k rows `kvh * d`; k^T reads k with swapped strides;
+    // s is a contiguous [t, t] (len checked by the caller's allocation).
+    unsafe {
+        gemm::gemm(
+            t,
+            t,
+            d,
+            s.as_mut_ptr(),
+            1,
+            t as isize,
+            false,
+            q,
+            1,
+            (a.h * d) as isize,
+            k,
+            (a.kvh * d) as isize,
+            1,
+            0.0f32,
+            a.scale(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// `dst [m, n] (+)= lhs [m, k] rhs [k, n]` with element strides `(row, col)`, one thread.
+///
+/// # Safety
+/// The pointers and strides must describe valid matrices; `dst` is written (and read when
+/// `accumulate`).
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_into(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (isize, isize),
+    scale: f32,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            accumulate,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            if accumulate { 1.0f32 } else { 0.0 },
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Turns the scores `s` `[T, T]` of (row `bi`) into probabilities in place (zero where not
+/// allowed, a zero row where nothing is), returning each row's log-sum-exp (`+inf` for an
+/// empty row).
+fn softmax_rows(a: &Attn, keep: &[f32], bi: usize, s: &mut [f32], lse: &mut [f32]) {
+    let t = a.t;
+    for (i, row) in s.chunks_mut(t).enumerate() {
+        let mut max = f32::NEG_INFINITY;
+        for (j, &x) in row.iter().enumerate() {
+            if a.allowed(keep, bi, i, j) && x > max {
+                max = x;
+            }
+        }
+        if max == f32::NEG_INFINITY {
+            row.fill(0.0);
+            lse[i] = f32::INFINITY;
+            continue;
+        }
+        let mut sum = 0.0f32;
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if a.allowed(keep, bi, i, j) {
+                (*x - max).exp()
+            } else {
+                0.0
+            };
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|x| *x *= inv);
+        lse[i] = max + sum.ln();
+    }
+}
+
+/// Forward: `(out [B, T, H, D], lse [B, H, T])`.
+fn attention_forward(
+    a: &Attn,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keep: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let (t, d) = (a.t, a.d);
+    let mut out: Vec<f32> = vec![0.0; a.b * t * a.h * d];
+    let mut lse = vec![0.0f32; a.b * a.h * t];
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    let group = a.h / a.kvh;
+    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
+        let (bi, hi) = (bh / a.h, bh % a.h);
+        let kv = hi / group;
+        let mut s = vec![0.0f32; t * t];
+        // SAFETY: offsets from `Attn::at` stay inside the [B, T, heads, D] buffers; each task
+        // writes only its own (row, head) columns of `out`.
+        unsafe {
+            scores(
+                a,
+                q.as_ptr().add(a.at(bi, hi, a.h)),
+                k.as_ptr().add(a.at(bi, kv, a.kvh)),
+                &mut s,
+            );
+            softmax_rows(a, keep, bi, &mut s, lse);
+            gemm_into(
+                (t, d, t),
+                out_ptr.get().add(a.at(bi, hi, a.h)),
+                ((a.h * d) as isize, 1),
+                false,
+                s.as_ptr(),
+                (t as isize, 1),
+                v.as_ptr().add(a.at(bi, kv, a.kvh)),
+                ((a.kvh * d) as isize, 1),
+                1.0,
+            );
+        }
+    });
+    (out, lse)
+}
+
+/// Backward: `(dq [B, T, H, D], dk, dv [B, T, KVH, D])` for the upstream gradient `g`.
+#[allow(clippy::too_many_arguments)]
+fn attention_backward(
+    a: &Attn,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keep: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    g: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (t, d) = (a.t, a.d);
+    let mut dq = vec![0.0f32; a.b * t * a.h * d];
+    let mut dk = vec![0.0f32; a.b * t * a.kvh * d];
+    let mut dv = vec![0.0f32; a.b * t * a.kvh * d];
+    let (dq_ptr, dk_ptr, dv_ptr) = (
+        SyncPtr(dq.as_mut_ptr()),
+        SyncPtr(dk.as_mut_ptr()),
+        SyncPtr(dv.as_mut_ptr()),
+    );
+    let group = a.h / a.kvh;
+    // One task per (row, kv head): its query heads write disjoint dq columns and accumulate
+    // into that kv head's dk / dv columns, which no other task touches.
+    (0..a.b * a.kvh).into_par_iter().for_each(|bk| {
+        let (bi, kv) = (bk / a.kvh, bk % a.kvh);
+        let mut p = vec![0.0f32; t * t];
+        let mut dp = vec![0.0f32; t * t];
+        for hi in kv * group..(kv + 1) * group {
+            let (qo, ko) = (a.at(bi, hi, a.h), a.at(bi, kv, a.kvh));
+            let lse = &lse[(bi * a.h + hi) * t..(bi * a.h + hi + 1) * t];
+            let (qs, ks) = (((a.h * d) as isize, 1), ((a.kvh * d) as isize, 1));
+            // SAFETY: as in `attention_forward`; the writes are the task's own columns.
+            unsafe {
+                // P from the saved log-sum-exp.
+                scores(a, q.as_ptr().add(qo), k.as_ptr().add(ko), &mut p);
+                for (i, row) in p.chunks_mut(t).enumerate() {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = if lse[i].is_finite() && a.allowed(keep, bi, i, j) {
+                            (*x - lse[i]).exp()
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                // dV += P^T dO.
+                gemm_into(
+                    (t, d, t),
+                    dv_ptr.get().add(ko),
+                    ks,
+                    true,
+                    p.as_ptr(),
+                    (1, t as isize),
+                    g.as_ptr().add(qo),
+                    qs,
+                    1.0,
+                );
+                // dP = dO V^T.
+                gemm_into(
+                    (t, t, d),
+                    dp.as_mut_ptr(),
+                    (t as isize, 1),
+                    false,
+                    g.as_ptr().add(qo),
+                    qs,
+                    v.as_ptr().add(ko),
+                    (1, (a.kvh * d) as isize),
+                    1.0,
+                );
+                // dS = P * (dP - rowsum(dO * O)), into dp.
+                for i in 0..t {
+                    let (gr, or) = (
+                        g.as_ptr().add(qo + i * a.h * d),
+                        out.as_ptr().add(qo + i * a.h * d),
+                    );
+                    let mut delta = 0.0f32;
+                    for c in 0..d {
+                        delta += *gr.add(c) * *or.add(c);
+                    }
+                    for j in 0..t {
+                        dp[i * t + j] = p[i * t + j] * (dp[i * t + j] - delta);
+                    }
+                }
+                // dQ = scale * dS K; dK += scale * dS^T Q.
+                gemm_into(
+                    (t, d, t),
+                    dq_ptr.get().add(qo),
+                    qs,
+                    false,
+                    dp.as_ptr(),
+                    (t as isize, 1),
+                    k.as_ptr().add(ko),
+                    ks,
+                    a.scale(),
+                );
+                gemm_into(
+                    (t, d, t),
+                    dk_ptr.get().add(ko),
+                    ks,
+                    true,
+                    dp.as_ptr(),
+                    (1, t as isize),
+                    q.as_ptr().add(qo),
+                    qs,
+                    a.scale(),
+                );
+            }
+        }
+    });
+    (dq, dk, dv)
+}
+
 // ---------------------------------------------------------------- Flex glue
 
 /// `t` as a contiguous tensor (a copy only when it is a strided view).
@@ -434,6 +789,76 @@ impl FusedOps for Flex {
 
     fn fused_linear(x: FlexTensor, w: FlexTensor) -> FlexTensor {
         linear_flex(&contiguous(x), &w)
+    }
+
+    fn fused_attention(
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        keep: FlexTensor,
+        causal: bool,
+    ) -> FlexTensor {
+        let (q, k, v, keep) = (
+            contiguous(q),
+            contiguous(k),
+            contiguous(v),
+            contiguous(keep),
+        );
+        let a = attn_shapes(&q, &k, causal);
+        flex(
+            attention_forward(&a, host(&q), host(&k), host(&v), host(&keep)).0,
+            shape_of(&q),
+        )
+    }
+}
+
+fn attn_shapes(q: &FlexTensor, k: &FlexTensor, causal: bool) -> Attn {
+    let (qs, ks) = (shape_of(q), shape_of(k));
+    Attn {
+        b: qs[0],
+        t: qs[1],
+        h: qs[2],
+        kvh: ks[2],
+        d: qs[3],
+        causal,
+    }
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl Backward<Flex, 3> for AttentionBackward {
+    /// `q`, `k`, `v`, `keep`, the output, the log-sum-exp per (row, head, query), causal.
+    type State = (
+        FlexTensor,
+        FlexTensor,
+        FlexTensor,
+        FlexTensor,
+        FlexTensor,
+        Vec<f32>,
+        bool,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let g = contiguous(grads.consume::<Flex>(&ops.node));
+        let (q, k, v, keep, out, lse, causal) = ops.state;
+        let a = attn_shapes(&q, &k, causal);
+        let (dq, dk, dv) = attention_backward(
+            &a,
+            host(&q),
+            host(&k),
+            host(&v),
+            host(&keep),
+            host(&out),
+            &lse,
+            host(&g),
+        );
+        for (node, grad, like) in [(node_q, dq, &q), (node_k, dk, &k), (node_v, dv, &v)] {
+            if let Some(node) = node {
+                grads.register::<Flex>(node.id, flex(grad, shape_of(like)));
+            }
+        }
     }
 }
 
@@ -607,6 +1032,38 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         }
     }
 
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        keep: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        let keep = contiguous(keep.into_primitive());
+        match AttentionBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let q = contiguous(q.into_primitive());
+                let k = contiguous(k.into_primitive());
+                let v = contiguous(v.into_primitive());
+                let a = attn_shapes(&q, &k, causal);
+                let (out, lse) = attention_forward(&a, host(&q), host(&k), host(&v), host(&keep));
+                let out = flex(out, shape_of(&q));
+                prep.finish((q, k, v, keep, out.clone(), lse, causal), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::fused_attention(
+                q.into_primitive(),
+                k.into_primitive(),
+                v.into_primitive(),
+                keep,
+                causal,
+            )),
+        }
+    }
+
     fn fused_rope(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
@@ -768,6 +1225,72 @@ mod tests {
         }
     }
 
+    /// burn's attention on heads-first tensors with the kv heads repeated.
+    fn reference_attention(
+        x: &[Tensor<4>],
+        mask: Option<Tensor<4, burn::tensor::Bool>>,
+        causal: bool,
+    ) -> Tensor<4> {
+        let [b, t, h, d] = x[0].dims();
+        let kvh = x[1].dims()[2];
+        let rep = |x: Tensor<4>| {
+            x.swap_dims(1, 2)
+                .reshape([b, kvh, 1, t, d])
+                .expand([b, kvh, h / kvh, t, d])
+                .reshape([b, h, t, d])
+        };
+        let options = burn::tensor::ops::AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: causal,
+        };
+        burn::tensor::module::attention(
+            x[0].clone().swap_dims(1, 2),
+            rep(x[1].clone()),
+            rep(x[2].clone()),
+            mask,
+            None,
+            options,
+        )
+        .swap_dims(1, 2)
+    }
+
+    #[test]
+    fn attention_matches_burn_with_grouped_heads_padding_and_causality() {
+        let (b, t, h, kvh, d) = (2, 37, 4, 2, 8);
+        // Row 1 is left-padded by 5: under the causal mask its first 5 queries see no key.
+        let mut keep = vec![true; b * t];
+        keep[t..t + 5].iter_mut().for_each(|k| *k = false);
+        let keep = Tensor::<2, burn::tensor::Bool>::from_data(TensorData::new(keep, [b, t]), &ad());
+        let mask = keep.bool_not().reshape([b, 1, 1, t]);
+        for (causal, mask) in [
+            (true, Some(mask.clone())),
+            (false, Some(mask)),
+            (true, None),
+        ] {
+            let inputs = [
+                rand([b, t, h, d], 11),
+                rand([b, t, kvh, d], 12),
+                rand([b, t, kvh, d], 13),
+            ];
+            let (dy, dg) = compare(
+                inputs,
+                |x| {
+                    attention(
+                        x[0].clone(),
+                        x[1].clone(),
+                        x[2].clone(),
+                        mask.clone(),
+                        causal,
+                    )
+                    .unwrap()
+                },
+                |x| reference_attention(x, mask.clone(), causal),
+            );
+            assert!(dy < 1e-5 && dg < 1e-4, "causal {causal}: {dy} {dg}");
+        }
+    }
+
     #[test]
     fn linear_adds_the_bias_and_skips_untracked_weights() {
         let x = Tensor::<3>::from_data(
@@ -784,7 +1307,11 @@ mod tests {
         );
         let grads = y.sum().backward();
         assert_eq!(
-            x.grad(&grads).unwrap().to_data().try_to_vec::<f32>().unwrap(),
+            x.grad(&grads)
+                .unwrap()
+                .to_data()
+                .try_to_vec::<f32>()
+                .unwrap(),
             vec![1.0, 2.0, 1.0, 2.0]
         );
         assert!(w.grad(&grads).is_none());

@@ -426,22 +426,30 @@ impl Attention {
     ) -> Tensor<3> {
         let [b, t, _] = x.dims();
         let (h, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        // RoPE on the projections' own `[B, T, heads, head_dim]` layout, then heads first.
+        // RoPE on the projections' own `[B, T, heads, head_dim]` layout.
         let q = rope(
             project(&self.q_proj, &self.q_lora, x.clone()).reshape([b, t, h, hd]),
             &rope_tables.0,
             &rope_tables.1,
-        )
-        .swap_dims(1, 2);
-        let mut k = rope(
+        );
+        let k = rope(
             project(&self.k_proj, &self.k_lora, x.clone()).reshape([b, t, kvh, hd]),
             &rope_tables.0,
             &rope_tables.1,
-        )
-        .swap_dims(1, 2);
-        let mut v = project(&self.v_proj, &self.v_lora, x)
-            .reshape([b, t, kvh, hd])
-            .swap_dims(1, 2);
+        );
+        let v = project(&self.v_proj, &self.v_lora, x).reshape([b, t, kvh, hd]);
+        // Training forwards (autodiff, no cache) on the CPU: the fused attention with its own
+        // backward pass, on that layout (no head-first copies, no repeated kv heads).
+        if cache.is_none()
+            && q.device().is_autodiff()
+            && let Some(out) =
+                crate::fused::attention(q.clone(), k.clone(), v.clone(), mask.clone(), is_causal)
+        {
+            return project(&self.o_proj, &self.o_lora, out.reshape([b, t, h * hd]));
+        }
+        let q = q.swap_dims(1, 2);
+        let mut k = k.swap_dims(1, 2);
+        let mut v = v.swap_dims(1, 2);
         if let Some(cache) = cache {
             let had = cache.len > 0;
             cache.append(k.clone(), v.clone());
