@@ -5,12 +5,17 @@
 //! | [`swiglu`] | `y = silu(a) * b = a * s * b`, `s = 1 / (1 + e^-a)` | `da = g * b * s * (1 + a * (1 - s))`, `db = g * a * s` |
 //! | [`rms_norm`] | `y = x * r * gamma`, `r = 1 / sqrt(mean(x^2) + eps)` per row | `dx = r * (u - x̂ * mean(u * x̂))` with `x̂ = x * r`, `u = g * gamma`; `dgamma = Σ_rows g * x̂` |
 //! | [`rope`] | `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s` (halves of each head) | `dx1 = g1 c + g2 s`, `dx2 = g2 c - g1 s` |
+//! | [`linear`] | `y = x W` (`x` flattened to `[M, K]`) | `dx = g W^T`, `dW = x^T g` (only for tracked inputs) |
+//! | [`attention`] | `P = softmax(q k^T / sqrt(D))` (masked), `o = P v`; keeps `lse` per query | `P` again from `lse`; `dv = P^T g`, `dS = P * (g v^T - rowsum(g * o))`, `dq = dS k / sqrt(D)`, `dk = dS^T q / sqrt(D)` |
 //!
 //! Why hand-written: burn-flex (0.22) runs each elementwise op of a composite on one thread and
-//! keeps every intermediate for the backward pass. A SmolLM2 train step spent ~60% of its wall time
-//! on one core in those passes (RMSNorm alone is 6 forward and ~10 backward passes with broadcasts)
-//! while `gemm` used both. Each op here is one pass forward and one pass backward, split over the
-//! rayon pool, keeping only its inputs (and the per-row `r` of the norm).
+//! keeps every intermediate for the backward pass; its matmul zero-fills every output and copies it
+//! once more into an aligned buffer, and the autodiff attention is a chain of such ops over
+//! `[B, H, T, T]` with the kv heads repeated. A SmolLM2 train step spent ~70% of its wall time on one
+//! core while `gemm` used both. Each op here is one pass forward and one pass backward, split over
+//! the rayon pool, keeping only its inputs (and the norm's `r`, the attention's output and `lse`).
+//! No maintained crate offers these as burn ops; `gemm` (burn-flex's own matmul crate) does the
+//! products.
 //!
 //! The ops are a burn backend extension ([`FusedOps`]) for `Flex` and `Autodiff<Flex>`; the
 //! public functions take `Tensor`s and fall back to the same arithmetic in burn ops on every other
