@@ -34,6 +34,8 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Bytes, DType, Device, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::skinny::SyncPtr;
+
 /// Elements per rayon task: below this an op runs on the calling thread.
 const GRAIN: usize = 1 << 14;
 
@@ -431,20 +433,6 @@ fn linear_flex(x: &FlexTensor, w: &FlexTensor) -> FlexTensor {
     let mut dims: Vec<usize> = xs.iter().copied().collect();
     *dims.last_mut().expect("rank >= 2") = n;
     flex(y, Shape::from(dims))
-}
-
-/// A raw pointer that rayon tasks may share: each task writes a disjoint set of elements.
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: used only where the tasks' writes are disjoint (documented at each use).
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-
-impl SyncPtr {
-    /// The pointer (a method, so that closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// Shapes of one attention call.
@@ -1098,15 +1086,20 @@ mod tests {
     //! the gradients of a random projection of the output), on the autodiff CPU device, over
     //! shapes that take both the single-thread and the rayon path.
     use super::*;
-    use burn::tensor::{Distribution, TensorData};
+    use burn::tensor::TensorData;
 
     fn ad() -> Device {
         Device::flex().autodiff()
     }
 
+    /// Uniform(-2, 2) values from a host RNG of their own (the device's RNG is global, shared
+    /// with the tests running beside this one).
     fn rand<const D: usize>(dims: [usize; D], seed: u64) -> Tensor<D> {
-        Device::flex().seed(seed);
-        Tensor::<D>::random(dims, Distribution::Normal(0.0, 1.0), &ad())
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        Tensor::from_data(TensorData::new(v, dims), &ad())
     }
 
     fn max_diff<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f32 {

@@ -167,17 +167,18 @@ impl PackedMatrix {
     }
 }
 
-/// A raw output pointer shared by the threads of [`PackedMatrix::matmul`] (each writes its own
-/// columns).
+/// A raw output pointer shared by rayon tasks that each write their own elements (the columns of
+/// [`PackedMatrix::matmul`], the heads of `fused`'s attention).
 #[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: the threads write disjoint ranges (see the use above).
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
+// SAFETY: every use has its tasks write disjoint ranges (see the uses).
 unsafe impl Send for SyncPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SyncPtr {}
 
 impl SyncPtr {
-    fn get(self) -> *mut f32 {
+    /// The pointer (a method, so that closures capture the whole `Send` wrapper).
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
