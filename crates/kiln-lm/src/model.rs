@@ -438,10 +438,10 @@ impl Attention {
             &rope_tables.1,
         );
         let v = project(&self.v_proj, &self.v_lora, x).reshape([b, t, kvh, hd]);
-        // Training forwards (autodiff, no cache) on the CPU: the fused attention with its own
-        // backward pass, on that layout (no head-first copies, no repeated kv heads).
+        // Full forwards (no cache) on the CPU, training or scoring: the fused attention (with its
+        // own backward pass on autodiff devices) on that layout, no head-first copies or repeated
+        // kv heads (scoring 4 x 1,042 tokens: 4.7-4.8 s vs 5.0-5.1 s with burn-flex's kernel).
         if cache.is_none()
-            && q.device().is_autodiff()
             && let Some(out) =
                 crate::fused::attention(q.clone(), k.clone(), v.clone(), mask.clone(), is_causal)
         {
