@@ -108,10 +108,11 @@ pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, bias: Option<Tensor<1>
     }
 }
 
-/// Training-time self-attention on the projections' layout: `q` `[B, T, H, D]`, `k`, `v`
-/// `[B, T, KVH, D]` (`H` a multiple of `KVH`), `mask` `[B, 1, 1, T]` true on forbidden keys
-/// (key padding), causal or not; `softmax(q k^T / sqrt(D)) v` as `[B, T, H, D]`, a row whose
-/// keys are all forbidden giving zeros (as burn's attention does). One task per (row, head):
+/// Self-attention of a full forward (training or scoring, no KV cache) on the projections'
+/// layout: `q` `[B, T, H, D]`, `k`, `v` `[B, T, KVH, D]` (`H` a multiple of `KVH`), `mask`
+/// `[B, 1, 1, T]` true on forbidden keys (key padding), causal or not; `softmax(q k^T / sqrt(D))
+/// v` as `[B, T, H, D]`, a row whose keys are all forbidden giving zeros (as burn's autodiff
+/// attention does; burn-flex's inference kernel gives a uniform average). One task per (row, head):
 /// the `[T, T]` scores live only inside it, and the backward pass recomputes them from the
 /// saved log-sum-exp (no `[B, H, T, T]` probabilities kept between passes).
 ///
