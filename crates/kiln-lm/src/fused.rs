@@ -26,7 +26,7 @@ use burn::backend::autodiff::{
     Autodiff,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind},
+    ops::{Backward, NodeGuard, Ops, OpsKind},
 };
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
@@ -965,23 +965,33 @@ impl Backward<Flex, 1> for RopeBackward {
     }
 }
 
+/// Records `out` (computed on the inner backend) as an autodiff op with `backward` and its
+/// `state`, or as an untracked result when no parent requires a gradient (the state is dropped).
+fn record<BO, C, const N: usize>(
+    backward: BO,
+    parents: [NodeGuard; N],
+    state: BO::State,
+    out: FlexTensor,
+) -> FloatTensor<Autodiff<Flex, C>>
+where
+    BO: Backward<Flex, N>,
+    C: CheckpointStrategy,
+{
+    match backward.prepare::<C>(parents).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(state, out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
+}
+
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
     fn fused_swiglu(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        match SwigluBackward
-            .prepare::<C>([a.node(), b.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let a = contiguous(a.into_primitive());
-                let b = contiguous(b.into_primitive());
-                let out = swiglu_flex(&a, &b);
-                prep.finish((a, b), out)
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(Flex::fused_swiglu(a.into_primitive(), b.into_primitive()))
-            }
-        }
+        let parents = [a.node(), b.node()];
+        let (a, b) = (
+            contiguous(a.into_primitive()),
+            contiguous(b.into_primitive()),
+        );
+        let out = swiglu_flex(&a, &b);
+        record::<_, C, 2>(SwigluBackward, parents, (a, b), out)
     }
 
     fn fused_rms_norm(
@@ -989,41 +999,18 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         gamma: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
-        match RmsNormBackward
-            .prepare::<C>([x.node(), gamma.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let x = contiguous(x.into_primitive());
-                let gamma = contiguous(gamma.into_primitive());
-                let (out, r) = rms_flex(&x, &gamma, eps);
-                prep.finish((x, gamma, r), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(Flex::fused_rms_norm(
-                x.into_primitive(),
-                gamma.into_primitive(),
-                eps,
-            )),
-        }
+        let parents = [x.node(), gamma.node()];
+        let x = contiguous(x.into_primitive());
+        let gamma = contiguous(gamma.into_primitive());
+        let (out, r) = rms_flex(&x, &gamma, eps);
+        record::<_, C, 2>(RmsNormBackward, parents, (x, gamma, r), out)
     }
 
     fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        match LinearBackward
-            .prepare::<C>([x.node(), w.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let x = contiguous(x.into_primitive());
-                let w = w.into_primitive();
-                let out = linear_flex(&x, &w);
-                prep.finish((x, w), out)
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(Flex::fused_linear(x.into_primitive(), w.into_primitive()))
-            }
-        }
+        let parents = [x.node(), w.node()];
+        let (x, w) = (contiguous(x.into_primitive()), w.into_primitive());
+        let out = linear_flex(&x, &w);
+        record::<_, C, 2>(LinearBackward, parents, (x, w), out)
     }
 
     fn fused_attention(
@@ -1033,29 +1020,16 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         keep: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self> {
+        let parents = [q.node(), k.node(), v.node()];
         let keep = contiguous(keep.into_primitive());
-        match AttentionBackward
-            .prepare::<C>([q.node(), k.node(), v.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let q = contiguous(q.into_primitive());
-                let k = contiguous(k.into_primitive());
-                let v = contiguous(v.into_primitive());
-                let a = attn_shapes(&q, &k, causal);
-                let (out, lse) = attention_forward(&a, host(&q), host(&k), host(&v), host(&keep));
-                let out = flex(out, shape_of(&q));
-                prep.finish((q, k, v, keep, out.clone(), lse, causal), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(Flex::fused_attention(
-                q.into_primitive(),
-                k.into_primitive(),
-                v.into_primitive(),
-                keep,
-                causal,
-            )),
-        }
+        let q = contiguous(q.into_primitive());
+        let k = contiguous(k.into_primitive());
+        let v = contiguous(v.into_primitive());
+        let a = attn_shapes(&q, &k, causal);
+        let (out, lse) = attention_forward(&a, host(&q), host(&k), host(&v), host(&keep));
+        let out = flex(out, shape_of(&q));
+        let state = (q, k, v, keep, out.clone(), lse, causal);
+        record::<_, C, 3>(AttentionBackward, parents, state, out)
     }
 
     fn fused_rope(
@@ -1063,21 +1037,11 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let parents = [x.node()];
         let cos = contiguous(cos.into_primitive());
         let sin = contiguous(sin.into_primitive());
-        match RopeBackward
-            .prepare::<C>([x.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let out = rope_flex(&contiguous(x.into_primitive()), &cos, &sin, 1.0);
-                prep.finish((cos, sin), out)
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(rope_flex(&contiguous(x.into_primitive()), &cos, &sin, 1.0))
-            }
-        }
+        let out = rope_flex(&contiguous(x.into_primitive()), &cos, &sin, 1.0);
+        record::<_, C, 1>(RopeBackward, parents, (cos, sin), out)
     }
 }
 
