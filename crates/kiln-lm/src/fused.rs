@@ -73,9 +73,13 @@ pub trait FusedOps: Backend {
 
 /// Whether `t` takes the fused path: f32 on the Flex device (with or without autodiff).
 fn fused_path<const D: usize>(t: &Tensor<D>) -> bool {
-    t.dtype() == DType::F32
-        && t.device().inner() == Device::flex()
-        && std::env::var_os("KILN_FUSED_OFF").is_none()
+    t.dtype() == DType::F32 && t.device().inner() == Device::flex() && !fused_off()
+}
+
+/// `KILN_FUSED_OFF` set (read once: the check sits on every op of every layer).
+fn fused_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var_os("KILN_FUSED_OFF").is_some())
 }
 
 /// `silu(a) * b` (the SwiGLU activation), `a` and `b` of one shape.
