@@ -141,68 +141,132 @@ fn bool2(device: &burn::tensor::Device, data: Vec<bool>, shape: [usize; 2]) -> T
     Tensor::from_data(TensorData::new(data, shape), device)
 }
 
-/// Log-softmax of one row of logits at temperature `t`, in f64 for stability.
-fn row_log_softmax(row: &[f32], t: f32) -> Vec<f64> {
-    let t = t as f64;
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let lse = row
-        .iter()
-        .map(|&x| ((x as f64 - max) / t).exp())
-        .sum::<f64>()
-        .ln();
-    row.iter().map(|&x| (x as f64 - max) / t - lse).collect()
+/// What sampling needs of one row of logits at temperature `t`, from one pass over it:
+/// `log p_i = (x_i - max) / t - lse`. Computed for all rows of a step in parallel
+/// ([`RowStats::of_rows`]) before the sequential draws, which share one RNG.
+#[derive(Debug, Clone)]
+struct RowStats {
+    /// Largest logit.
+    max: f32,
+    /// Its (lowest) id: the greedy choice.
+    best: usize,
+    /// `ln sum_i exp((x_i - max) / t)` (summed in f64).
+    lse: f64,
+    /// `1 / t`.
+    inv_t: f64,
 }
 
-/// Pick the next token from one row of logits. Returns (token, log-prob under
-/// `log_softmax(logits / T_eff)`).
-pub fn sample_row(row: &[f32], cfg: &SamplingConfig, rng: &mut impl Rng) -> (u32, f32) {
-    let logp = row_log_softmax(row, cfg.effective_temperature());
-    if cfg.is_greedy() {
+impl RowStats {
+    /// One pass for the max and argmax, one for the sum: `exp` in f32 of a value <= 0 (its
+    /// relative error, ~1e-7, is below what an f32 log-prob keeps), accumulated in f64.
+    fn new(row: &[f32], t: f32) -> Self {
         let mut best = 0usize;
         for (i, &x) in row.iter().enumerate() {
             if x > row[best] {
                 best = i;
             }
         }
-        return (best as u32, logp[best] as f32);
+        let max = row.get(best).copied().unwrap_or(0.0);
+        let inv_t = 1.0 / t as f64;
+        let scale = inv_t as f32;
+        let sum: f64 = row.iter().map(|&x| ((x - max) * scale).exp() as f64).sum();
+        Self {
+            max,
+            best,
+            lse: sum.ln(),
+            inv_t,
+        }
+    }
+
+    /// The stats of every `vocab`-wide row of `logits`, rows split over the rayon pool.
+    fn of_rows(logits: &[f32], vocab: usize, t: f32) -> Vec<Self> {
+        use rayon::prelude::*;
+        logits
+            .par_chunks(vocab.max(1))
+            .map(|row| Self::new(row, t))
+            .collect()
+    }
+
+    /// `log p` of logit `x`.
+    fn logp(&self, x: f32) -> f64 {
+        (x as f64 - self.max as f64) * self.inv_t - self.lse
+    }
+}
+
+/// Pick the next token from one row of logits. Returns (token, log-prob under
+/// `log_softmax(logits / T_eff)`).
+pub fn sample_row(row: &[f32], cfg: &SamplingConfig, rng: &mut impl Rng) -> (u32, f32) {
+    sample_with(
+        row,
+        &RowStats::new(row, cfg.effective_temperature()),
+        cfg,
+        rng,
+    )
+}
+
+/// [`sample_row`] with the row's [`RowStats`] already computed.
+fn sample_with(row: &[f32], st: &RowStats, cfg: &SamplingConfig, rng: &mut impl Rng) -> (u32, f32) {
+    if cfg.is_greedy() {
+        return (st.best as u32, st.logp(row[st.best]) as f32);
     }
     // Candidates sorted by probability (descending; ties by id), truncated by top-k / top-p.
-    let mut idx: Vec<usize> = (0..row.len()).collect();
+    // Logits order the candidates as log-probs do (a positive temperature keeps the order).
+    let cmp = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
     let k = if cfg.top_k > 0 {
         cfg.top_k.min(row.len())
     } else {
         row.len()
     };
-    let cmp = |a: &usize, b: &usize| logp[*b].total_cmp(&logp[*a]).then(a.cmp(b));
-    if k < row.len() {
-        idx.select_nth_unstable_by(k - 1, cmp);
-        idx.truncate(k);
-    }
-    let need_sort = cfg.top_p < 1.0;
-    if need_sort {
-        idx.sort_unstable_by(cmp);
-        let mut cum = 0.0f64;
-        let mut keep = idx.len();
-        for (j, &i) in idx.iter().enumerate() {
-            cum += logp[i].exp();
-            if cum >= cfg.top_p as f64 {
-                keep = j + 1;
+    let p = |i: usize| st.logp(row[i]).exp();
+    let chosen = if k == row.len() && cfg.top_p >= 1.0 {
+        // Every token a candidate: one scan in id order, no index vector. The probabilities
+        // sum to 1 up to rounding; should `u` outrun their sum, the last token with a nonzero
+        // probability is drawn.
+        let mut u = rng.random::<f64>();
+        let mut chosen = st.best;
+        for i in 0..row.len() {
+            let pi = p(i);
+            if pi > 0.0 {
+                chosen = i;
+                u -= pi;
+                if u <= 0.0 {
+                    break;
+                }
+            }
+        }
+        chosen
+    } else {
+        let mut idx: Vec<usize> = (0..row.len()).collect();
+        if k < row.len() {
+            idx.select_nth_unstable_by(k - 1, cmp);
+            idx.truncate(k);
+        }
+        if cfg.top_p < 1.0 {
+            idx.sort_unstable_by(cmp);
+            let mut cum = 0.0f64;
+            let mut keep = idx.len();
+            for (j, &i) in idx.iter().enumerate() {
+                cum += p(i);
+                if cum >= cfg.top_p as f64 {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            idx.truncate(keep.max(1));
+        }
+        let total: f64 = idx.iter().map(|&i| p(i)).sum();
+        let mut u = rng.random::<f64>() * total;
+        let mut chosen = *idx.last().expect("at least one candidate");
+        for &i in &idx {
+            u -= p(i);
+            if u <= 0.0 {
+                chosen = i;
                 break;
             }
         }
-        idx.truncate(keep.max(1));
-    }
-    let total: f64 = idx.iter().map(|&i| logp[i].exp()).sum();
-    let mut u = rng.random::<f64>() * total;
-    let mut chosen = *idx.last().expect("at least one candidate");
-    for &i in &idx {
-        u -= logp[i].exp();
-        if u <= 0.0 {
-            chosen = i;
-            break;
-        }
-    }
-    (chosen as u32, logp[chosen] as f32)
+        chosen
+    };
+    (chosen as u32, st.logp(row[chosen]) as f32)
 }
 
 /// Check that `prompts` can be generated from by a model of `vocab_size` ids: none is empty
@@ -518,9 +582,10 @@ fn generate_inner(
     loop {
         let mut step_tokens = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
+        let stats = RowStats::of_rows(&rows, vocab, cfg.effective_temperature());
         for (r, &seq) in active.iter().enumerate() {
             let row = &rows[r * vocab..(r + 1) * vocab];
-            let (tok, lp) = sample_row(row, cfg, rng);
+            let (tok, lp) = sample_with(row, &stats[r], cfg, rng);
             out.tokens[seq].push(tok);
             out.logprobs[seq].push(lp);
             let mut done = None;

@@ -200,6 +200,37 @@ impl LayerCache {
         self.len = need;
     }
 
+    /// One decode step's attention on the host ([`crate::fused::decode_attention`]): appends
+    /// each row's new key and value from `qkv` `[B, (H + 2 KVH) D]` and attends its queries over
+    /// the cache under the key mask `keep` `[B, len + 1]`; the outputs `[B, H D]`. `None` (cache
+    /// unchanged) where the host path does not apply: the caller runs burn's ops.
+    fn decode_host(
+        &mut self,
+        qkv: &[f32],
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        keep: &[bool],
+    ) -> Option<Vec<f32>> {
+        let b = self.k.as_ref()?.dims()[0];
+        if self.len + 1 > self.capacity() {
+            let cap = if self.spare >= 1 {
+                self.len + self.spare
+            } else {
+                let need = self.len + 1;
+                need + (need / 4).max(GROW_MIN)
+            };
+            let like = Tensor::<4>::zeros([b, kv_heads, 1, head_dim], &self.k.as_ref()?.device());
+            self.k = Some(Self::regrow(self.k.take(), self.len, cap, &like));
+            self.v = Some(Self::regrow(self.v.take(), self.len, cap, &like));
+            self.spare = 0;
+        }
+        let out =
+            crate::fused::decode_attention(&mut self.k, &mut self.v, self.len, qkv, heads, keep)?;
+        self.len += 1;
+        Some(out)
+    }
+
     /// A zeroed buffer of `cap` positions shaped like `like`, holding the first `len` positions
     /// of `old`.
     fn regrow(old: Option<Tensor<4>>, len: usize, cap: usize, like: &Tensor<4>) -> Tensor<4> {
@@ -546,15 +577,15 @@ impl DecoderLayer {
 
 /// One decode step of one layer on the host residual stream `x` `[B, hidden]` (row-major),
 /// updated in place: RMSNorm, the fused q/k/v product, RoPE at `rope` (`[B, head_dim]` cos
-/// and sin per row), the cache write and [`decode_attention`] with the key-padding `mask`
-/// `[B, 1, 1, L]` (burn: the cache is burn's; its vectorised softmax beats a scalar one), the
-/// output projection, the residual, RMSNorm, the fused gate/up product, SiLU x up, the down
+/// and sin per row), the cache write and the attention under the key mask `key_mask` `[B, L]`
+/// (true = real key) on the host ([`crate::fused::decode_attention`]; burn's
+/// [`decode_attention`] where that does not apply), the output projection, the residual, RMSNorm, the fused gate/up product, SiLU x up, the down
 /// product, the residual. Same arithmetic as [`DecoderLayer::forward`] up to float rounding.
 fn decode_layer(
     x: &mut [f32],
     packed: &LayerPacked,
     rope: &(Vec<f32>, Vec<f32>),
-    mask: Tensor<4, Bool>,
+    key_mask: &[bool],
     cache: &mut LayerCache,
     device: &Device,
 ) {
@@ -577,20 +608,32 @@ fn decode_layer(
             }
         }
     }
-    let qkv = Tensor::<3>::from_data(TensorData::new(qkv, [b, 1, width]), device);
-    let part = |from: usize, heads: usize| {
-        qkv.clone()
-            .slice([0..b, 0..1, from * hd..(from + heads) * hd])
-            .reshape([b, 1, heads, hd])
-            .swap_dims(1, 2)
+    let attn = match cache.decode_host(&qkv, h, kvh, hd, key_mask) {
+        Some(out) => out,
+        None => {
+            let qkv = Tensor::<3>::from_data(TensorData::new(qkv, [b, 1, width]), device);
+            let part = |from: usize, heads: usize| {
+                qkv.clone()
+                    .slice([0..b, 0..1, from * hd..(from + heads) * hd])
+                    .reshape([b, 1, heads, hd])
+                    .swap_dims(1, 2)
+            };
+            cache.append(part(h, kvh), part(h + kvh, kvh));
+            let keys = cache.keys().expect("appended");
+            let values = cache.values().expect("appended");
+            let l = key_mask.len() / b.max(1);
+            let mask = key_padding_mask(Tensor::<2, Bool>::from_data(
+                TensorData::new(key_mask.to_vec(), [b, l]),
+                device,
+            ));
+            host(
+                decode_attention(part(0, h), keys, values, Some(mask), kvh)
+                    .swap_dims(1, 2)
+                    .reshape([b, 1, h * hd]),
+            )
+        }
     };
-    cache.append(part(h, kvh), part(h + kvh, kvh));
-    let keys = cache.keys().expect("appended");
-    let values = cache.values().expect("appended");
-    let attn = decode_attention(part(0, h), keys, values, Some(mask), kvh)
-        .swap_dims(1, 2)
-        .reshape([b, 1, h * hd]);
-    for (xv, o) in x.iter_mut().zip(packed.o.matmul(&host(attn))) {
+    for (xv, o) in x.iter_mut().zip(packed.o.matmul(&attn)) {
         *xv += o;
     }
     let gu = packed
@@ -1013,17 +1056,13 @@ impl Transformer {
             "key mask of {} for {b} rows",
             key_mask.len()
         );
-        let mask = key_padding_mask(Tensor::<2, Bool>::from_data(
-            TensorData::new(key_mask.to_vec(), [b, l]),
-            &device,
-        ));
         for ((lc, packed), _) in cache
             .layers
             .iter_mut()
             .zip(&weights.layers)
             .zip(&self.layers)
         {
-            decode_layer(&mut x, packed, &rope, mask.clone(), lc, &device);
+            decode_layer(&mut x, packed, &rope, key_mask, lc, &device);
         }
         weights.logits(&host_rms_norm(&x, &weights.norm, weights.norm_eps))
     }
@@ -1371,6 +1410,79 @@ mod tests {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         assert!(gap > 1e-2, "adapters changed nothing: {gap}");
+    }
+
+    #[test]
+    fn host_decode_attention_grows_the_cache_and_leaves_shared_clones_alone() {
+        let device = Device::flex();
+        let model = adapted_model(&device);
+        let weights = model.decode_weights().expect("CPU, small model: packed");
+        let all = |n: usize| {
+            Tensor::<2, Bool>::from_data(TensorData::new(vec![true; n], [1, n]), &device)
+        };
+        // No reserve: the prefill's buffers hold exactly its 3 positions, so the host steps must
+        // regrow them (twice over 70 steps).
+        let prefill = |cache: &mut KvCache| {
+            model.forward_cached(
+                ids(&device, &[&[1, 2, 3]]),
+                ids(&device, &[&[0, 1, 2]]),
+                all(3),
+                cache,
+            )
+        };
+        let mut cache = KvCache::new(2);
+        prefill(&mut cache);
+        // The reference: burn's cached decode (its own cache write and attention).
+        let mut burn_cache = cache.clone();
+        let mut worst = 0f32;
+        for s in 0..70usize {
+            let tok = 3 + (s * 7 % 40) as u32;
+            let pos = 3 + s as i64;
+            let got =
+                model.forward_decode(&[tok], &[pos], &vec![true; 4 + s], &mut cache, &weights);
+            let h = model.forward_cached(
+                ids(&device, &[&[tok as i64]]),
+                ids(&device, &[&[pos]]),
+                all(4 + s),
+                &mut burn_cache,
+            );
+            let want = vec3(model.logits_from_normed(h));
+            assert_eq!(got.len(), want.len());
+            for (x, y) in got.iter().zip(&want) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        assert!(worst < 1e-4, "max |host decode - burn decode| = {worst}");
+        assert_eq!(cache.len(), 73);
+        assert!(cache.capacity() >= 73);
+
+        // Two clones share one reserved buffer: each step writes in place, so the first write
+        // must copy, or the second clone's key at position 3 would overwrite the first's.
+        let mut shared = KvCache::new(2);
+        shared.reserve(10);
+        prefill(&mut shared);
+        let (mut a, mut b) = (shared.clone(), shared.clone());
+        let mut reference = shared.clone();
+        model.forward_decode(&[5], &[3], &[true; 4], &mut a, &weights);
+        model.forward_decode(&[9], &[3], &[true; 4], &mut b, &weights);
+        let got = model.forward_decode(&[6], &[4], &[true; 5], &mut a, &weights);
+        for (tok, pos) in [(5, 3), (6, 4)] {
+            let h = model.forward_cached(
+                ids(&device, &[&[tok]]),
+                ids(&device, &[&[pos]]),
+                all(pos as usize + 1),
+                &mut reference,
+            );
+            if tok == 6 {
+                let want = vec3(model.logits_from_normed(h));
+                let gap = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(gap < 1e-4, "a clone's step changed another's cache: {gap}");
+            }
+        }
     }
 
     #[test]
