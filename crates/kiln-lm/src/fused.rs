@@ -326,39 +326,16 @@ pub fn decode_attention_host(
     let scale = 1.0 / (d as f32).sqrt();
     let task = |t: usize, o: &mut [f32]| {
         let (bi, g) = (t / kvh, t % kvh);
-        let keys = &k[t * cap * d..(t * cap + l) * d];
-        let vals = &v[t * cap * d..(t * cap + l) * d];
-        let keep = &keep[bi * l..(bi + 1) * l];
-        let mut p = vec![0.0f32; l];
-        for (j, o) in o.chunks_exact_mut(d).enumerate() {
-            let q0 = bi * width + (g * group + j) * d;
-            let q = &qkv[q0..q0 + d];
-            let mut max = f32::NEG_INFINITY;
-            for ((s, key), &kp) in p.iter_mut().zip(keys.chunks_exact(d)).zip(keep) {
-                if kp {
-                    *s = dot(q, key) * scale;
-                    max = max.max(*s);
-                }
-            }
-            o.fill(0.0);
-            if max == f32::NEG_INFINITY {
-                continue;
-            }
-            let mut sum = 0.0f32;
-            for (s, &kp) in p.iter_mut().zip(keep) {
-                *s = if kp { (*s - max).exp() } else { 0.0 };
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            for (&s, val) in p.iter().zip(vals.chunks_exact(d)) {
-                if s > 0.0 {
-                    let w = s * inv;
-                    for (ov, &vv) in o.iter_mut().zip(val) {
-                        *ov += w * vv;
-                    }
-                }
-            }
-        }
+        let q0 = bi * width + g * group * d;
+        let span = Span {
+            q: &qkv[q0..q0 + group * d],
+            keys: &k[t * cap * d..(t * cap + l) * d],
+            vals: &v[t * cap * d..(t * cap + l) * d],
+            keep: &keep[bi * l..(bi + 1) * l],
+            d,
+            scale,
+        };
+        attend(&span, o);
     };
     let chunk = group * d;
     if b * h * l * d >= GRAIN * 4 && b * kvh > 1 {
@@ -372,9 +349,77 @@ pub fn decode_attention_host(
     }
 }
 
+/// One (row, key/value head) task of [`decode_attention_host`]: the group's queries `q`
+/// `[group, D]` over the filled `keys`, `vals` `[L, D]` where `keep` `[L]`.
+struct Span<'a> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    vals: &'a [f32],
+    keep: &'a [bool],
+    d: usize,
+    scale: f32,
+}
+
+/// [`attend_body`] compiled for AVX2 + FMA where the CPU has them (fused multiply-adds in
+/// 8-wide registers: 2-3x the baseline build's 4-wide SSE2 on these short dot products).
+fn attend(s: &Span<'_>, o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2(s: &Span<'_>, o: &mut [f32]) {
+            attend_body::<true>(s, o)
+        }
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        unsafe { avx2(s, o) };
+        return;
+    }
+    attend_body::<false>(s, o)
+}
+
+/// Softmax attention of each query row of `s.q` into the matching `D`-wide row of `o` (zeros
+/// where no key is allowed). `FMA`: fused multiply-adds (only where the CPU has them: the
+/// software fallback of `mul_add` is slow).
+#[inline(always)]
+fn attend_body<const FMA: bool>(s: &Span<'_>, o: &mut [f32]) {
+    let d = s.d;
+    let mut p = vec![0.0f32; s.keep.len()];
+    for (q, o) in s.q.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
+        let mut max = f32::NEG_INFINITY;
+        for ((sc, key), &kp) in p.iter_mut().zip(s.keys.chunks_exact(d)).zip(s.keep) {
+            if kp {
+                *sc = dot::<FMA>(q, key) * s.scale;
+                max = max.max(*sc);
+            }
+        }
+        o.fill(0.0);
+        if max == f32::NEG_INFINITY {
+            continue;
+        }
+        let mut sum = 0.0f32;
+        for (sc, &kp) in p.iter_mut().zip(s.keep) {
+            *sc = if kp { (*sc - max).exp() } else { 0.0 };
+            sum += *sc;
+        }
+        let inv = 1.0 / sum;
+        for (&sc, val) in p.iter().zip(s.vals.chunks_exact(d)) {
+            if sc > 0.0 {
+                let w = sc * inv;
+                for (ov, &vv) in o.iter_mut().zip(val) {
+                    *ov = if FMA {
+                        w.mul_add(vv, *ov)
+                    } else {
+                        *ov + w * vv
+                    };
+                }
+            }
+        }
+    }
+}
+
 /// `a . b` in eight running sums (the compiler vectorises them; one running sum would be a
 /// serial chain of adds).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ac
@@ -385,7 +430,11 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .sum();
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = if FMA {
+                x[i].mul_add(y[i], acc[i])
+            } else {
+                acc[i] + x[i] * y[i]
+            };
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -1411,6 +1460,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn decode_attention_kernels_with_and_without_fma_agree() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(22);
+        let (group, l, d) = (3, 37, 20);
+        let mut u =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+        let (q, keys, vals) = (u(group * d), u(l * d), u(l * d));
+        let keep: Vec<bool> = (0..l).map(|j| j % 4 != 1).collect();
+        let span = Span {
+            q: &q,
+            keys: &keys,
+            vals: &vals,
+            keep: &keep,
+            d,
+            scale: 0.3,
+        };
+        let (mut a, mut b) = (vec![0.0; group * d], vec![0.0; group * d]);
+        attend_body::<false>(&span, &mut a);
+        attend_body::<true>(&span, &mut b);
+        let mut c = vec![0.0; group * d];
+        attend(&span, &mut c);
+        for ((x, y), z) in a.iter().zip(&b).zip(&c) {
+            assert!((x - y).abs() < 1e-5 && (x - z).abs() < 1e-5, "{x} {y} {z}");
+        }
+        assert!(a.iter().any(|x| x.abs() > 1e-3), "not all zeros");
     }
 
     #[test]

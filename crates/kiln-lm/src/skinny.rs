@@ -10,7 +10,8 @@
 //! (gemv-style crates handle `M = 1` only). Here `W` is stored as panels of [`PANEL`] columns,
 //! each panel `[K, PANEL]` contiguous, so a panel is one linear stream that the hardware
 //! prefetcher follows; a tile of up to [`MR`] rows keeps its `MR x PANEL` accumulators in
-//! registers (AVX-512: 8 x 3 vectors), every loaded weight vector serves every row, and when
+//! registers (AVX-512: 8 x 3 vectors; AVX2, with half the registers of half the width: 2 rows x 6
+//! vectors per sweep), every loaded weight vector serves every row, and when
 //! `M > MR` the further row tiles re-read the panel from L2 (a panel is `K x 192` bytes: 110 KB
 //! for `K` = 576), so the weights still cross the memory bus once. Threads split the panels.
 //!
