@@ -180,16 +180,7 @@ impl LayerCache {
     fn append(&mut self, k: Tensor<4>, v: Tensor<4>) {
         let t = k.dims()[2];
         let need = self.len + t;
-        if need > self.capacity() {
-            let cap = if need <= self.len + self.spare {
-                self.len + self.spare
-            } else {
-                need + (need / 4).max(GROW_MIN)
-            };
-            self.k = Some(Self::regrow(self.k.take(), self.len, cap, &k));
-            self.v = Some(Self::regrow(self.v.take(), self.len, cap, &v));
-            self.spare = 0;
-        }
+        self.make_room(t, &k);
         let write = |buf: Option<Tensor<4>>, new: Tensor<4>| {
             let buf = buf.expect("allocated above");
             let [b, h, _, d] = buf.dims();
@@ -202,33 +193,35 @@ impl LayerCache {
 
     /// One decode step's attention on the host ([`crate::fused::decode_attention`]): appends
     /// each row's new key and value from `qkv` `[B, (H + 2 KVH) D]` and attends its queries over
-    /// the cache under the key mask `keep` `[B, len + 1]`; the outputs `[B, H D]`. `None` (cache
-    /// unchanged) where the host path does not apply: the caller runs burn's ops.
-    fn decode_host(
-        &mut self,
-        qkv: &[f32],
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        keep: &[bool],
-    ) -> Option<Vec<f32>> {
-        let b = self.k.as_ref()?.dims()[0];
-        if self.len + 1 > self.capacity() {
-            let cap = if self.spare >= 1 {
-                self.len + self.spare
-            } else {
-                let need = self.len + 1;
-                need + (need / 4).max(GROW_MIN)
-            };
-            let like = Tensor::<4>::zeros([b, kv_heads, 1, head_dim], &self.k.as_ref()?.device());
-            self.k = Some(Self::regrow(self.k.take(), self.len, cap, &like));
-            self.v = Some(Self::regrow(self.v.take(), self.len, cap, &like));
-            self.spare = 0;
-        }
+    /// the cache under the key mask `keep` `[B, len + 1]`; the outputs `[B, H D]`. `None`
+    /// (cache contents unchanged) where the host path does not apply: the caller runs burn's ops.
+    fn decode_host(&mut self, qkv: &[f32], heads: usize, keep: &[bool]) -> Option<Vec<f32>> {
+        // The buffer itself gives the shape (the clone is dropped before the in-place write,
+        // which would otherwise copy the shared buffer).
+        let like = self.k.clone()?;
+        self.make_room(1, &like);
+        drop(like);
         let out =
             crate::fused::decode_attention(&mut self.k, &mut self.v, self.len, qkv, heads, keep)?;
         self.len += 1;
         Some(out)
+    }
+
+    /// Grows the buffers, if they cannot take `t` more positions, to what [`KvCache::reserve`]
+    /// asked for, else a quarter more than needed; `like` `[B, kv_heads, _, head_dim]` gives the
+    /// shape and device of a first allocation.
+    fn make_room(&mut self, t: usize, like: &Tensor<4>) {
+        let need = self.len + t;
+        if need > self.capacity() {
+            let cap = if need <= self.len + self.spare {
+                self.len + self.spare
+            } else {
+                need + (need / 4).max(GROW_MIN)
+            };
+            self.k = Some(Self::regrow(self.k.take(), self.len, cap, like));
+            self.v = Some(Self::regrow(self.v.take(), self.len, cap, like));
+            self.spare = 0;
+        }
     }
 
     /// A zeroed buffer of `cap` positions shaped like `like`, holding the first `len` positions
@@ -615,7 +608,7 @@ fn decode_layer(
             }
         }
     }
-    let attn = match cache.decode_host(&qkv, h, kvh, hd, key_mask) {
+    let attn = match cache.decode_host(&qkv, h, key_mask) {
         Some(out) => out,
         None => {
             let qkv = Tensor::<3>::from_data(TensorData::new(qkv, [b, 1, width]), device);
