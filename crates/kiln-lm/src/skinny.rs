@@ -11,9 +11,10 @@
 //! each panel `[K, PANEL]` contiguous, so a panel is one linear stream that the hardware
 //! prefetcher follows; a tile of up to [`MR`] rows keeps its `MR x PANEL` accumulators in
 //! registers (AVX-512: 8 x 3 vectors; AVX2, with half the registers of half the width: 2 rows x 6
-//! vectors per sweep), every loaded weight vector serves every row, and when
-//! `M > MR` the further row tiles re-read the panel from L2 (a panel is `K x 192` bytes: 110 KB
-//! for `K` = 576), so the weights still cross the memory bus once. Threads split the panels.
+//! vectors per sweep), every loaded weight vector serves every row, and the further row tiles
+//! re-read the panel from cache (AVX-512: the whole panel from L2, `K x 192` bytes: 110 KB for `K`
+//! = 576; AVX2: blocks of 96 panel rows from L1), so the weights still cross the memory bus once.
+//! Threads split the panels.
 //!
 //! Packing costs one pass over the weights (done once per [`crate::generate`] call, merged with
 //! the LoRA adapters there) and as much memory again as the packed matrices.
@@ -129,27 +130,23 @@ impl PackedMatrix {
         let n_panels = n.div_ceil(PANEL);
         let out = SyncPtr(y.as_mut_ptr());
         let run = |p0: usize, p1: usize| {
-            let mut tile = [[0.0f32; PANEL]; MR];
+            let mut tile = vec![[0.0f32; PANEL]; m];
             for p in p0..p1 {
                 let panel = &self.panels[p * k * PANEL..(p + 1) * k * PANEL];
                 let c0 = p * PANEL;
                 let width = PANEL.min(n - c0);
-                for r0 in (0..m).step_by(MR) {
-                    let rows = MR.min(m - r0);
-                    panel_tile(&x[r0 * k..(r0 + rows) * k], k, panel, &mut tile[..rows]);
-                    for (r, t) in tile[..rows].iter().enumerate() {
-                        let row = r0 + r;
-                        // SAFETY: row < m and c0 + width <= n, so the range is inside `y`;
-                        // panels are split between threads, so no two threads write the same
-                        // columns, and `y` outlives the scope below.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(out.get().add(row * n + c0), width)
-                        };
-                        dst.copy_from_slice(&t[..width]);
-                        if let Some(b) = &self.bias {
-                            for (d, bv) in dst.iter_mut().zip(&b[c0..c0 + width]) {
-                                *d += bv;
-                            }
+                panel_tile(x, k, panel, &mut tile);
+                for (row, t) in tile.iter().enumerate() {
+                    // SAFETY: row < m and c0 + width <= n, so the range is inside `y`;
+                    // panels are split between threads, so no two threads write the same
+                    // columns, and `y` outlives the scope below.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(out.get().add(row * n + c0), width)
+                    };
+                    dst.copy_from_slice(&t[..width]);
+                    if let Some(b) = &self.bias {
+                        for (d, bv) in dst.iter_mut().zip(&b[c0..c0 + width]) {
+                            *d += bv;
                         }
                     }
                 }
@@ -184,25 +181,28 @@ impl SyncPtr {
     }
 }
 
-/// `tile[r][j] = sum_kk x[r * k + kk] * panel[kk * PANEL + j]` for `tile.len()` (<= [`MR`]) rows.
+/// `tile[r][j] = sum_kk x[r * k + kk] * panel[kk * PANEL + j]` for all `tile.len()` rows.
 fn panel_tile(x: &[f32], k: usize, panel: &[f32], tile: &mut [[f32; PANEL]]) {
     debug_assert!(x.len() == tile.len() * k && panel.len() == k * PANEL);
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
-        macro_rules! tiles {
-            ($($r:literal)*) => {
-                match tile.len() {
-                    $($r => {
-                        // SAFETY: the CPU has AVX-512F (checked above); the slices have the
-                        // lengths the kernel reads (asserted in debug builds, guaranteed by
-                        // the caller).
-                        unsafe { avx512::tile::<$r>(x, k, panel, tile) }
-                    })*
-                    _ => unreachable!("tiles have 1..=MR rows"),
-                }
-            };
+        for (r0, t) in (0..tile.len()).step_by(MR).zip(tile.chunks_mut(MR)) {
+            let x = &x[r0 * k..(r0 + t.len()) * k];
+            macro_rules! tiles {
+                ($($r:literal)*) => {
+                    match t.len() {
+                        $($r => {
+                            // SAFETY: the CPU has AVX-512F (checked above); the slices have
+                            // the lengths the kernel reads (asserted in debug builds,
+                            // guaranteed by the caller).
+                            unsafe { avx512::tile::<$r>(x, k, panel, t) }
+                        })*
+                        _ => unreachable!("tiles have 1..=MR rows"),
+                    }
+                };
+            }
+            tiles!(1 2 3 4 5 6 7 8);
         }
-        tiles!(1 2 3 4 5 6 7 8);
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -287,13 +287,14 @@ mod avx512 {
 
 /// The AVX2 + FMA kernel (AMD Zen 2/3, Intel Haswell to Alder Lake): 16 vector registers of 8
 /// floats hold a tile of at most 2 rows x [`PANEL`] columns (12 accumulators, 2 broadcasts, one
-/// weight vector at a time), so the panel is swept once per 2 rows. The first sweep streams it
-/// from memory (with software prefetch, as the AVX-512 kernel); the others find it in L2 (110 KB
-/// for `K` = 576). Measured on a Zen 3 (2 cores, SmolLM2-135M shapes, `bench_skinny`), ms per
-/// step at 1 / 8 / 32 rows: 25.0 / 31.8 / 70.4 (burn-flex's gemm in the same run: 28.8 / 73.5 /
-/// 129); the auto-vectorised portable loop, which keeps its accumulators in memory, measured 29 /
-/// 88 / 298, and a 4-row x 24-column tile swept twice per panel 43 / 53 / 126 (the split panel
-/// rows defeat the streaming).
+/// weight vector at a time), so each block of the panel is swept once per 2 rows. The first sweep
+/// streams the block from memory (with software prefetch, as the AVX-512 kernel); the others find
+/// it in L1 (18 KB). Measured on a Zen 3 (2 cores, SmolLM2-135M shapes, `bench_skinny`), ms per
+/// step at 1 / 8 / 32 rows: 25.0 / 31.8 / 70.4 with whole-panel sweeps from L2 (burn-flex's gemm in
+/// the same run: 28.8 / 73.5 / 129); the auto-vectorised portable loop, which keeps its accumulators
+/// in memory, measured 29 / 88 / 298, and a 4-row x 24-column tile swept twice per panel 43 / 53 /
+/// 126 (the split panel rows defeat the streaming). The L1 blocks measured 5-10% faster than the
+/// L2 sweeps at 20-32 rows on one thread (old and new run side by side, 3 alternations).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::PANEL;
@@ -304,51 +305,78 @@ mod avx2 {
     /// Vectors per panel row.
     const VECS: usize = PANEL / 8;
 
-    /// `tile.len()` (<= [`super::MR`]) rows x [`PANEL`] columns, in 2-row sweeps.
+    /// Panel rows per block: a block (`KB x PANEL` floats, 18 KB) stays in the 32 KB L1 while
+    /// every 2-row sweep of the tile reads it.
+    const KB: usize = 96;
+
+    /// `tile.len()` rows x [`PANEL`] columns: per block of [`KB`] panel rows, one 2-row sweep
+    /// after the other (the first one streams the block from memory, the others find it in L1).
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA; `x.len() >= tile.len() * k`, `panel.len() >= k * PANEL`.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn tile(x: &[f32], k: usize, panel: &[f32], tile: &mut [[f32; PANEL]]) {
         let m = tile.len();
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = (m - r0).min(2);
-            let xs = &x[r0 * k..(r0 + rows) * k];
-            let t = &mut tile[r0..r0 + rows];
-            // SAFETY: as this function's contract (`xs` holds rows * k inputs). Prefetch only
-            // on the sweep that streams the panel from memory.
-            unsafe {
-                match (rows, r0 == 0) {
-                    (1, true) => sweep::<1, true>(xs, k, panel, t),
-                    (1, false) => sweep::<1, false>(xs, k, panel, t),
-                    (_, true) => sweep::<2, true>(xs, k, panel, t),
-                    (_, false) => sweep::<2, false>(xs, k, panel, t),
+        debug_assert!(x.len() >= m * k && panel.len() >= k * PANEL);
+        for k0 in (0..k).step_by(KB) {
+            let kl = KB.min(k - k0);
+            let w = &panel[k0 * PANEL..(k0 + kl) * PANEL];
+            let mut r0 = 0;
+            while r0 < m {
+                let rows = (m - r0).min(2);
+                let xs = &x[r0 * k + k0..];
+                let t = &mut tile[r0..r0 + rows];
+                // SAFETY: as this function's contract: row r of `xs` starts at r * k and holds
+                // kl inputs (r0 + r < m, k0 + kl <= k); `w` holds kl panel rows. Prefetch only
+                // on the sweep that streams the block from memory; accumulate onto the tile
+                // after the first block.
+                unsafe {
+                    match (rows, r0 == 0, k0 > 0) {
+                        (1, true, false) => sweep::<1, true, false>(xs, k, kl, w, t),
+                        (1, true, true) => sweep::<1, true, true>(xs, k, kl, w, t),
+                        (1, false, false) => sweep::<1, false, false>(xs, k, kl, w, t),
+                        (1, false, true) => sweep::<1, false, true>(xs, k, kl, w, t),
+                        (_, true, false) => sweep::<2, true, false>(xs, k, kl, w, t),
+                        (_, true, true) => sweep::<2, true, true>(xs, k, kl, w, t),
+                        (_, false, false) => sweep::<2, false, false>(xs, k, kl, w, t),
+                        (_, false, true) => sweep::<2, false, true>(xs, k, kl, w, t),
+                    }
                 }
+                r0 += rows;
             }
-            r0 += rows;
         }
     }
 
-    /// `R` rows x [`PANEL`] columns, accumulators in 6R registers.
+    /// `R` rows x [`PANEL`] columns over `kl` panel rows, accumulators in 6R registers: row `r`
+    /// of the tile gets (`ACC`: plus) `sum_kk x[r * stride + kk] * w[kk * PANEL ..]`.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA; `x.len() >= R * k`, `panel.len() >= k * PANEL`,
-    /// `tile.len() == R`.
+    /// The CPU must have AVX2 and FMA; `x.len() >= (R - 1) * stride + kl`,
+    /// `w.len() >= kl * PANEL`, `tile.len() == R`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn sweep<const R: usize, const FETCH: bool>(
+    unsafe fn sweep<const R: usize, const FETCH: bool, const ACC: bool>(
         x: &[f32],
-        k: usize,
-        panel: &[f32],
+        stride: usize,
+        kl: usize,
+        w: &[f32],
         tile: &mut [[f32; PANEL]],
     ) {
-        debug_assert!(x.len() >= R * k && panel.len() >= k * PANEL && tile.len() == R);
+        debug_assert!(x.len() >= (R - 1) * stride + kl && w.len() >= kl * PANEL);
+        debug_assert!(tile.len() == R);
         let mut acc = [[_mm256_setzero_ps(); VECS]; R];
+        if ACC {
+            for (a, t) in acc.iter_mut().zip(tile.iter()) {
+                for (j, v) in a.iter_mut().enumerate() {
+                    // SAFETY: j < VECS, so the 8 floats lie in the tile row's PANEL.
+                    *v = unsafe { _mm256_loadu_ps(t.as_ptr().add(8 * j)) };
+                }
+            }
+        }
         let xp = x.as_ptr();
-        let mut wp = panel.as_ptr();
-        for kk in 0..k {
-            // SAFETY: kk < k, so the six vectors lie in the panel's row kk and the broadcasts
+        let mut wp = w.as_ptr();
+        for kk in 0..kl {
+            // SAFETY: kk < kl, so the six vectors lie in the block's row kk and the broadcasts
             // in x's rows (lengths per the contract).
             unsafe {
                 if FETCH {
@@ -361,7 +389,7 @@ mod avx2 {
                 }
                 let mut b = [_mm256_setzero_ps(); R];
                 for (r, bv) in b.iter_mut().enumerate() {
-                    *bv = _mm256_broadcast_ss(&*xp.add(r * k + kk));
+                    *bv = _mm256_broadcast_ss(&*xp.add(r * stride + kk));
                 }
                 for j in 0..VECS {
                     let w = _mm256_loadu_ps(wp.add(8 * j));
