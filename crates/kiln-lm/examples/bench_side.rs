@@ -113,17 +113,54 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_default();
     let want = |w: &str| only.is_empty() || only.iter().any(|o| o == w);
     std::fs::create_dir_all(&out)?;
+    let device = Device::flex();
+    // SmolLM2 is loaded only when a workload needs it (the tiny agent's alone skip the load).
+    if only.is_empty()
+        || only
+            .iter()
+            .any(|o| o.starts_with("smollm2") || o == "grpo_step")
+    {
+        smollm2_workloads(&out, &only, &device)?;
+    }
+    // Its own stream, so that the prompts do not depend on which other workloads ran.
+    let mut rng = ChaCha8Rng::seed_from_u64(SEED + 1);
+
+    let tiny_cfg = TransformerConfig::from_yaml_file(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../configs/model/tiny-agent.yaml"),
+    )?;
+    std::fs::write(
+        out.join("tiny_config.json"),
+        tiny_cfg.to_hf_config_json().to_string(),
+    )?;
+    let tiny = tiny_cfg.init(&device);
+    for (name, b) in [("tiny_gen_b20", 20), ("tiny_gen_b64", 64)] {
+        if want(name) {
+            let prompts = random_rows(&mut rng, b, 64, tiny_cfg.vocab_size as u32);
+            let (s, n) = greedy_gen(&tiny, &prompts, 48);
+            emit(name, s, n, "");
+        }
+    }
+    Ok(())
+}
+
+/// The SmolLM2-135M workloads: generation, train steps, the GRPO step.
+fn smollm2_workloads(
+    out: &std::path::Path,
+    only: &[String],
+    device: &Device,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let rng = &mut ChaCha8Rng::seed_from_u64(SEED);
+    let want = |w: &str| only.is_empty() || only.iter().any(|o| o == w);
     let path =
         zoo::lookup_name("smollm2-135m")?.ok_or("SmolLM2 is not installed: run `just setup`")?;
-    let device = Device::flex();
     let ad = if std::env::var_os("KILN_BENCH_CKPT").is_some() {
         Device::flex().autodiff().gradient_checkpointing()
     } else {
         Device::flex().autodiff()
     };
-    let mut rng = ChaCha8Rng::seed_from_u64(SEED);
 
-    let smol = load_gguf(&path, &device)?;
+    let smol = load_gguf(&path, device)?;
     let cfg = smol.config().clone();
     std::fs::write(
         out.join("smollm2_config.json"),
@@ -132,14 +169,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vocab = cfg.vocab_size as u32;
     for (name, b, new) in [("smollm2_gen_8x128", 8, 128), ("smollm2_gen_32x64", 32, 64)] {
         if want(name) {
-            let prompts = random_rows(&mut rng, b, 8, vocab);
+            let prompts = random_rows(rng, b, 8, vocab);
             let (s, n) = greedy_gen(&smol, &prompts, new);
             emit(name, s, n, "");
         }
     }
     drop(smol);
 
-    let train_rows = random_rows(&mut rng, 4, 256, vocab);
+    let train_rows = random_rows(rng, 4, 256, vocab);
     let smol_ad = load_gguf(&path, &ad)?;
     if want("smollm2_train_full_4x256") {
         let s = train(&smol_ad, &train_rows, 4);
@@ -156,7 +193,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     if only.iter().any(|o| o == "smollm2_update_lora_2x1042") {
-        let rows = random_rows(&mut rng, 2, 1042, vocab);
+        let rows = random_rows(rng, 2, 1042, vocab);
         let t = Instant::now();
         fwd_bwd(&lora, &rows, 2);
         let first = t.elapsed().as_secs_f64();
@@ -172,7 +209,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if want("grpo_step") {
         // Rollouts: the merged policy (as kiln's actor samples), 4 turns, re-prefilled contexts.
         let policy = lora.merge_lora().valid();
-        let mut ctx = random_rows(&mut rng, 20, 400, vocab);
+        let mut ctx = random_rows(rng, 20, 400, vocab);
         let sampling = SamplingConfig {
             temperature: 1.0,
             greedy: false,
@@ -214,21 +251,5 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     drop(lora);
 
-    let tiny_cfg = TransformerConfig::from_yaml_file(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../configs/model/tiny-agent.yaml"),
-    )?;
-    std::fs::write(
-        out.join("tiny_config.json"),
-        tiny_cfg.to_hf_config_json().to_string(),
-    )?;
-    let tiny = tiny_cfg.init(&device);
-    for (name, b) in [("tiny_gen_b20", 20), ("tiny_gen_b64", 64)] {
-        if want(name) {
-            let prompts = random_rows(&mut rng, b, 64, tiny_cfg.vocab_size as u32);
-            let (s, n) = greedy_gen(&tiny, &prompts, 48);
-            emit(name, s, n, "");
-        }
-    }
     Ok(())
 }

@@ -887,31 +887,7 @@ fn map_host2<const D: usize>(
 /// has them and portable loops elsewhere. The erf is the Abramowitz-Stegun 7.1.26 form that
 /// PyTorch's vectorised CPU GELU uses.
 mod kernels {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    /// ln 2 split in two (Cephes) so that `x - n ln 2` is exact enough.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-
-    /// `e^x` for `x` in [-87, 88] (clamped outside), ~1 ulp (Cephes `expf`), branch-free. The
-    /// integer part is rounded with the 1.5 * 2^23 trick instead of a float-to-int cast, whose
-    /// saturating semantics keep LLVM from vectorising the loop.
-    #[inline(always)]
-    fn exp(x: f32) -> f32 {
-        const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
-        let x = x.clamp(-87.0, 88.0);
-        let shifted = x * LOG2E + ROUND;
-        let n = shifted - ROUND; // round(x / ln 2)
-        let r = x - n * LN2_HI - n * LN2_LO;
-        let z = r * r;
-        let p = ((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-            + 0.166_666_65)
-            * r
-            + 0.5;
-        let e = p * z + r + 1.0;
-        // The low mantissa bits of `shifted` hold n; 2^n = (n + 127) << 23.
-        let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
-        e * f32::from_bits(n_bits.wrapping_add(127) << 23)
-    }
+    use crate::vmath::{dispatch, exp};
 
     /// `erf(x)`, |error| < 5e-7 in f32 (Abramowitz-Stegun 7.1.26).
     #[inline(always)]
@@ -1283,48 +1259,18 @@ mod kernels {
         )
     }
 
-    /// Defines `$name`, which runs `$generic` compiled for AVX-512 or AVX2 + FMA when the CPU
-    /// has them (checked once per call; the checks are cached by std).
-    macro_rules! dispatch {
-        ($(#[$doc:meta])* $name:ident, $generic:ident, ($($arg:ident: $ty:ty),*)) => {
-            $(#[$doc])*
-            pub fn $name($($arg: $ty),*) {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    #[target_feature(enable = "avx512f,avx2,fma")]
-                    fn v4($($arg: $ty),*) {
-                        $generic($($arg),*)
-                    }
-                    #[target_feature(enable = "avx2,fma")]
-                    fn v3($($arg: $ty),*) {
-                        $generic($($arg),*)
-                    }
-                    if is_x86_feature_detected!("avx512f") {
-                        // SAFETY: the CPU has the features `v4` is compiled for.
-                        return unsafe { v4($($arg),*) };
-                    }
-                    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                        // SAFETY: as above, for `v3`.
-                        return unsafe { v3($($arg),*) };
-                    }
-                }
-                $generic($($arg),*)
-            }
-        };
-    }
-
     dispatch!(
         /// Bias then exact GELU in place, `0.5 v (1 + erf(v / sqrt 2))`, `v = x + bias` (HF
         /// `gelu`), over rows of width `bias.len()`.
-        bias_gelu, bias_gelu_generic, (xs: &mut [f32], bias: &[f32])
+        pub bias_gelu, bias_gelu_generic, (xs: &mut [f32], bias: &[f32])
     );
     dispatch!(
         /// Bias then tanh-approximate GELU in place (HF `gelu_new`, `gelu_pytorch_tanh`).
-        bias_gelu_tanh, bias_gelu_tanh_generic, (xs: &mut [f32], bias: &[f32])
+        pub bias_gelu_tanh, bias_gelu_tanh_generic, (xs: &mut [f32], bias: &[f32])
     );
     dispatch!(
         /// See `add_layer_norm_generic`.
-        add_layer_norm, add_layer_norm_generic,
+        pub add_layer_norm, add_layer_norm_generic,
         (ys: &mut [f32], bias: Option<&[f32]>, residual: Option<&[f32]>, gamma: &[f32], beta: &[f32], eps: f32)
     );
 

@@ -365,6 +365,11 @@ struct Span<'a> {
 fn attend(s: &Span<'_>, o: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if s.d.is_multiple_of(8) {
+            // SAFETY: the CPU has AVX2 and FMA (checked above); D is a multiple of 8.
+            unsafe { attend_avx2::attend(s, o) };
+            return;
+        }
         #[target_feature(enable = "avx2,fma")]
         fn avx2(s: &Span<'_>, o: &mut [f32]) {
             attend_body::<true>(s, o)
@@ -389,17 +394,15 @@ fn attend_body<const FMA: bool>(s: &Span<'_>, o: &mut [f32]) {
             if kp {
                 *sc = dot::<FMA>(q, key) * s.scale;
                 max = max.max(*sc);
+            } else {
+                *sc = f32::NEG_INFINITY;
             }
         }
         o.fill(0.0);
         if max == f32::NEG_INFINITY {
             continue;
         }
-        let mut sum = 0.0f32;
-        for (sc, &kp) in p.iter_mut().zip(s.keep) {
-            *sc = if kp { (*sc - max).exp() } else { 0.0 };
-            sum += *sc;
-        }
+        let sum = crate::vmath::exp_shift_sum(&mut p, max);
         let inv = 1.0 / sum;
         for (&sc, val) in p.iter().zip(s.vals.chunks_exact(d)) {
             if sc > 0.0 {
@@ -412,6 +415,136 @@ fn attend_body<const FMA: bool>(s: &Span<'_>, o: &mut [f32]) {
                     };
                 }
             }
+        }
+    }
+}
+
+/// [`attend_body`] with AVX2 + FMA intrinsics for head widths that are a multiple of 8 (the
+/// models' 32, 64, 128). `attend_body` computes one score at a time: a dot product of a few
+/// vectors is one serial chain of fused multiply-adds plus a horizontal sum, and its output row
+/// stays in memory across keys. Here eight keys' dot products run as eight independent chains
+/// and are reduced together (one horizontal-add tree per 8 scores), and the weighted sum of the
+/// values keeps 32 output columns in registers across all keys.
+#[cfg(target_arch = "x86_64")]
+mod attend_avx2 {
+    use super::Span;
+    use std::arch::x86_64::*;
+
+    /// Output columns kept in registers per pass over the keys (4 vectors).
+    const COLS: usize = 32;
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `s.d` must be a multiple of 8; the span's slices as
+    /// [`Span`] documents (`q`, `o` `[group, D]`, `keys`, `vals` `[L, D]`, `keep` `[L]`).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend(s: &Span<'_>, o: &mut [f32]) {
+        let d = s.d;
+        let l = s.keep.len();
+        assert!(
+            d.is_multiple_of(8)
+                && s.keys.len() >= l * d
+                && s.vals.len() >= l * d
+                && o.len() == s.q.len()
+                && s.q.len().is_multiple_of(d.max(1)),
+            "attend: spans do not match"
+        );
+        if d == 0 {
+            return;
+        }
+        let mut p = vec![0.0f32; l];
+        let (kp, vp) = (s.keys.as_ptr(), s.vals.as_ptr());
+        for (q, o) in s.q.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
+            // SAFETY (whole block): key j's row is keys[j * d..(j + 1) * d] with j < l and
+            // c + 8 <= d, inside the slice (asserted above); p has l entries.
+            unsafe {
+                let qp = q.as_ptr();
+                let mut j = 0;
+                while j + 8 <= l {
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for c in (0..d).step_by(8) {
+                        let qv = _mm256_loadu_ps(qp.add(c));
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add((j + r) * d + c)), *a);
+                        }
+                    }
+                    // Lane sums of acc[0..8] into one vector: pairwise adds, then the two
+                    // 128-bit halves.
+                    let s01 = _mm256_hadd_ps(acc[0], acc[1]);
+                    let s23 = _mm256_hadd_ps(acc[2], acc[3]);
+                    let s45 = _mm256_hadd_ps(acc[4], acc[5]);
+                    let s67 = _mm256_hadd_ps(acc[6], acc[7]);
+                    let s0123 = _mm256_hadd_ps(s01, s23);
+                    let s4567 = _mm256_hadd_ps(s45, s67);
+                    let lo = _mm256_permute2f128_ps::<0x20>(s0123, s4567);
+                    let hi = _mm256_permute2f128_ps::<0x31>(s0123, s4567);
+                    let dots = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(s.scale));
+                    _mm256_storeu_ps(p.as_mut_ptr().add(j), dots);
+                    j += 8;
+                }
+                for (jj, pj) in p.iter_mut().enumerate().skip(j) {
+                    *pj = super::dot::<true>(q, &s.keys[jj * d..(jj + 1) * d]) * s.scale;
+                }
+            }
+            let mut max = f32::NEG_INFINITY;
+            for (pj, &keep) in p.iter_mut().zip(s.keep) {
+                if keep {
+                    max = max.max(*pj);
+                } else {
+                    *pj = f32::NEG_INFINITY;
+                }
+            }
+            o.fill(0.0);
+            if max == f32::NEG_INFINITY {
+                continue;
+            }
+            let inv = 1.0 / crate::vmath::exp_shift_sum(&mut p, max);
+            let op = o.as_mut_ptr();
+            let mut c0 = 0;
+            // SAFETY (both loops): value j's columns c0..c0 + 8 * n lie in vals[j * d..] with
+            // c0 + 8 * n <= d; o has d columns.
+            while c0 + COLS <= d {
+                unsafe { weighted_sum::<4>(&p, vp.add(c0), d, inv, op.add(c0)) };
+                c0 += COLS;
+            }
+            while c0 < d {
+                unsafe { weighted_sum::<1>(&p, vp.add(c0), d, inv, op.add(c0)) };
+                c0 += 8;
+            }
+        }
+    }
+
+    /// `out[0..8N] = inv * sum_j p[j] * v[j * stride..][..8N]` over the keys with `p[j] > 0`
+    /// (a zero weight skips its value row, so a masked key's non-finite value cannot leak in).
+    ///
+    /// # Safety
+    /// AVX2 + FMA; `v.add(j * stride)` readable for `8N` floats for every `j < p.len()`; `out`
+    /// writable for `8N` floats.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn weighted_sum<const N: usize>(
+        p: &[f32],
+        v: *const f32,
+        stride: usize,
+        inv: f32,
+        out: *mut f32,
+    ) {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (j, &pj) in p.iter().enumerate() {
+            if pj > 0.0 {
+                let w = _mm256_set1_ps(pj * inv);
+                for (x, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: per the contract.
+                    *a = _mm256_fmadd_ps(
+                        w,
+                        unsafe { _mm256_loadu_ps(v.add(j * stride + 8 * x)) },
+                        *a,
+                    );
+                }
+            }
+        }
+        for (x, a) in acc.iter().enumerate() {
+            // SAFETY: per the contract.
+            unsafe { _mm256_storeu_ps(out.add(8 * x), *a) };
         }
     }
 }
@@ -462,19 +595,12 @@ where
     }
 }
 
-#[inline]
-fn sigmoid(a: f32) -> f32 {
-    1.0 / (1.0 + (-a).exp())
-}
-
 /// `out = silu(a) * b`.
 pub fn swiglu_forward(a: &[f32], b: &[f32], out: &mut [f32]) {
     let k = 1024;
     par_rows(out, k, |i, o| {
         let s = i * k;
-        for ((o, &a), &b) in o.iter_mut().zip(&a[s..]).zip(&b[s..]) {
-            *o = a * sigmoid(a) * b;
-        }
+        crate::vmath::silu_mul(&a[s..], &b[s..], o);
     });
 }
 
@@ -482,12 +608,7 @@ pub fn swiglu_forward(a: &[f32], b: &[f32], out: &mut [f32]) {
 pub fn swiglu_backward(a: &[f32], b: &[f32], g: &[f32], da: &mut [f32], db: &mut [f32]) {
     let k = 1024;
     let f = |(da, db): (&mut [f32], &mut [f32]), s: usize| {
-        for (j, (da, db)) in da.iter_mut().zip(db.iter_mut()).enumerate() {
-            let (a, b, g) = (a[s + j], b[s + j], g[s + j]);
-            let sg = sigmoid(a);
-            *da = g * b * sg * (1.0 + a * (1.0 - sg));
-            *db = g * a * sg;
-        }
+        crate::vmath::silu_mul_backward(&a[s..], &b[s..], &g[s..], da, db);
     };
     if da.len() <= GRAIN {
         f((da, db), 0);
@@ -805,15 +926,12 @@ fn softmax_rows(a: &Attn, keep: &[f32], bi: usize, s: &mut [f32], lse: &mut [f32
             lse[i] = f32::INFINITY;
             continue;
         }
-        let mut sum = 0.0f32;
         for (j, x) in row.iter_mut().enumerate() {
-            *x = if a.allowed(keep, bi, i, j) {
-                (*x - max).exp()
-            } else {
-                0.0
-            };
-            sum += *x;
+            if !a.allowed(keep, bi, i, j) {
+                *x = f32::NEG_INFINITY;
+            }
         }
+        let sum = crate::vmath::exp_shift_sum(row, max);
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|x| *x *= inv);
         lse[i] = max + sum.ln();
@@ -901,12 +1019,11 @@ fn attention_backward(
                 scores(a, q.as_ptr().add(qo), k.as_ptr().add(ko), &mut p);
                 for (i, row) in p.chunks_mut(t).enumerate() {
                     for (j, x) in row.iter_mut().enumerate() {
-                        *x = if lse[i].is_finite() && a.allowed(keep, bi, i, j) {
-                            (*x - lse[i]).exp()
-                        } else {
-                            0.0
-                        };
+                        if !(lse[i].is_finite() && a.allowed(keep, bi, i, j)) {
+                            *x = f32::NEG_INFINITY;
+                        }
                     }
+                    crate::vmath::exp_shift_sum(row, if lse[i].is_finite() { lse[i] } else { 0.0 });
                 }
                 // dV += P^T dO.
                 gemm_into(
@@ -1464,9 +1581,16 @@ mod tests {
 
     #[test]
     fn decode_attention_kernels_with_and_without_fma_agree() {
+        for (group, l, d) in [(3, 37, 20), (3, 37, 32), (1, 8, 64), (2, 5, 40), (1, 1, 8)] {
+            kernels_agree(group, l, d);
+        }
+    }
+
+    /// The dispatched kernel (on x86-64 with AVX2: the intrinsics one when `d % 8 == 0`), the
+    /// generic one with and without FMA, on `l` keys with every 4th masked.
+    fn kernels_agree(group: usize, l: usize, d: usize) {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(22);
-        let (group, l, d) = (3, 37, 20);
         let mut u =
             |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
         let (q, keys, vals) = (u(group * d), u(l * d), u(l * d));
@@ -1485,7 +1609,10 @@ mod tests {
         let mut c = vec![0.0; group * d];
         attend(&span, &mut c);
         for ((x, y), z) in a.iter().zip(&b).zip(&c) {
-            assert!((x - y).abs() < 1e-5 && (x - z).abs() < 1e-5, "{x} {y} {z}");
+            assert!(
+                (x - y).abs() < 1e-5 && (x - z).abs() < 1e-5,
+                "group {group} l {l} d {d}: {x} {y} {z}"
+            );
         }
         assert!(a.iter().any(|x| x.abs() > 1e-3), "not all zeros");
     }

@@ -157,8 +157,8 @@ struct RowStats {
 }
 
 impl RowStats {
-    /// One pass for the max and argmax, one for the sum: `exp` in f32 of a value <= 0 (its
-    /// relative error, ~1e-7, is below what an f32 log-prob keeps), accumulated in f64.
+    /// One pass for the max and argmax, one (vectorised) for the sum: `exp` in f32 of a value
+    /// <= 0 (its relative error, ~1e-7, is below what an f32 log-prob keeps), accumulated in f64.
     fn new(row: &[f32], t: f32) -> Self {
         let mut best = 0usize;
         for (i, &x) in row.iter().enumerate() {
@@ -169,7 +169,7 @@ impl RowStats {
         let max = row.get(best).copied().unwrap_or(0.0);
         let inv_t = 1.0 / t as f64;
         let scale = inv_t as f32;
-        let sum: f64 = row.iter().map(|&x| ((x - max) * scale).exp() as f64).sum();
+        let sum = crate::vmath::sum_exp_f64(row, max, scale);
         Self {
             max,
             best,

@@ -15,6 +15,7 @@ pub mod malloc;
 pub mod model;
 pub mod skinny;
 pub mod tokenizer;
+mod vmath;
 pub mod weights;
 pub mod zoo;
 

@@ -640,13 +640,11 @@ fn decode_layer(
         .gate_up
         .matmul(&host_rms_norm(x, &packed.post_norm, packed.eps));
     let inter = packed.down.k();
-    let act: Vec<f32> = gu
-        .chunks_exact(2 * inter)
-        .flat_map(|row| {
-            let (g, u) = row.split_at(inter);
-            g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-        })
-        .collect();
+    let mut act = vec![0.0f32; gu.len() / 2];
+    for (row, a) in gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)) {
+        let (g, u) = row.split_at(inter);
+        crate::vmath::silu_mul(g, u, a);
+    }
     for (xv, o) in x.iter_mut().zip(packed.down.matmul(&act)) {
         *xv += o;
     }
