@@ -1212,20 +1212,7 @@ mod kernels {
                 let (keys, pad) = s[r * n..(r + 1) * n].split_at_mut(len);
                 pad.fill(0.0);
                 let max = lane_max(keys);
-                let mut sums = [0.0f32; L];
-                let mut chunks = keys.chunks_exact_mut(L);
-                for c in &mut chunks {
-                    for l in 0..L {
-                        c[l] = exp(c[l] - max);
-                        sums[l] += c[l];
-                    }
-                }
-                let mut total = sums.iter().sum::<f32>();
-                for x in chunks.into_remainder() {
-                    *x = exp(*x - max);
-                    total += *x;
-                }
-                *inv = 1.0 / total;
+                *inv = 1.0 / crate::vmath::exp_shift_sum(keys, max);
             }
             for cb in (0..hp).step_by(TILE) {
                 let acc = T::pv(&s, n, len, &vs, hp, cb);
