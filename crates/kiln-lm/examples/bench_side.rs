@@ -30,7 +30,6 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_lm::{
     LoraConfig, SamplingConfig, Transformer, TransformerConfig, generate, generate_reusing,
@@ -74,9 +73,12 @@ fn fwd_bwd(model: &Transformer, rows: &[Vec<u32>], micro: usize) {
         let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, w]), &device);
         let logits = model.forward(tokens.clone());
         let v = logits.dims()[2];
-        let logp = log_softmax(logits.slice([0..b, 0..w - 1, 0..v]), 2);
-        let tgt = tokens.slice([0..b, 1..w]).reshape([b, w - 1, 1]);
-        let loss = logp.gather(2, tgt).mean().neg();
+        // log_softmax + gather, fused on the CPU (as kiln's trainer scores tokens).
+        let logits = logits
+            .slice([0..b, 0..w - 1, 0..v])
+            .reshape([b * (w - 1), v]);
+        let tgt = tokens.slice([0..b, 1..w]).reshape([b * (w - 1)]);
+        let loss = kiln_lm::fused::target_logprobs(logits, tgt).0.mean().neg();
         drop(loss.backward());
     }
 }

@@ -31,7 +31,7 @@ use burn::backend::autodiff::{
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::activation::silu;
-use burn::tensor::{Bytes, DType, Device, Shape, Tensor};
+use burn::tensor::{Bytes, DType, Device, Int, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::skinny::SyncPtr;
@@ -68,6 +68,12 @@ pub trait FusedOps: Backend {
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+    /// Per row of `logits` `[N, V]`: `log_softmax(row)[target]` and the row's entropy, `[N, 2]`,
+    /// for `targets` `[N]` (token ids as floats). Only the first column has a gradient.
+    fn fused_target_logprobs(
+        logits: FloatTensor<Self>,
+        targets: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 }
 
@@ -189,6 +195,42 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
         let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
         (x * cos.clone() + rotated * sin.clone()).swap_dims(1, 2)
+    }
+}
+
+/// `log_softmax(logits)` gathered at `targets`, and the entropy of each row's distribution
+/// (detached: for logging), for `logits` `[N, V]` and `targets` `[N]`: `(logp [N], entropy
+/// [N])`. The gradient of `logp` reaches `logits`.
+///
+/// Why fused: burn's `log_softmax` + `gather` are ~6 passes over the `[N, V]` logits forward
+/// (max, subtract, exp, sum, log, subtract; `exp` a scalar libm call) and the backward
+/// scatters into a zeroed `[N, V]` tensor before the softmax's own backward; with SmolLM2's
+/// 49,152-token vocabulary those passes are GBs of memory traffic per train step. Here the
+/// forward is one pass per row for the max and one for the log-sum-exp and the entropy (keeping
+/// the `[N]` log-sum-exps, not a `[N, V]` log-softmax), and the backward one pass that writes
+/// `g (onehot - softmax)`, rows in parallel. Burn's ops elsewhere.
+///
+/// # Panics
+/// If a target is not a valid column of `logits` (as burn's `gather`).
+pub fn target_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<1>) {
+    let [n, _] = logits.dims();
+    if fused_path(&logits) && targets.dims() == [n] {
+        let targets = targets.float();
+        let out = Tensor::<2>::from_dispatch(<Dispatch as FusedOps>::fused_target_logprobs(
+            logits.into_dispatch(),
+            targets.into_dispatch(),
+        ));
+        let logp = out.clone().slice([0..n, 0..1]).reshape([n]);
+        let entropy = out.slice([0..n, 1..2]).reshape([n]).detach();
+        (logp, entropy)
+    } else {
+        let logp = burn::tensor::activation::log_softmax(logits, 1);
+        let l = logp.clone().detach();
+        let entropy = (l.clone().exp() * l).sum_dim(1).reshape([n]).neg();
+        (
+            logp.gather(1, targets.reshape([n, 1])).reshape([n]),
+            entropy,
+        )
     }
 }
 
@@ -619,6 +661,65 @@ pub fn swiglu_backward(a: &[f32], b: &[f32], g: &[f32], da: &mut [f32], db: &mut
             .with_min_len(GRAIN / k)
             .for_each(|(i, pair)| f(pair, i * k));
     }
+}
+
+/// Per `v`-wide row of `logits`: `out[2r] = logits[r][t_r] - lse_r` (`t_r = targets[r]`),
+/// `out[2r + 1]` = the entropy of `softmax(row)`; returns the log-sum-exps `[N]`.
+///
+/// # Panics
+/// If a target is not in `0..v`.
+pub fn target_logprobs_forward(
+    logits: &[f32],
+    v: usize,
+    targets: &[f32],
+    out: &mut [f32],
+) -> Vec<f32> {
+    let n = targets.len();
+    assert!(
+        v > 0 && logits.len() == n * v && out.len() == 2 * n,
+        "target log-probs: shapes"
+    );
+    let mut lse = vec![0.0f32; n];
+    let row = |r: usize, o: &mut [f32], lse: &mut f32| {
+        let x = &logits[r * v..(r + 1) * v];
+        let t = targets[r];
+        assert!(
+            t >= 0.0 && (t as usize) < v && t.fract() == 0.0,
+            "target {t} of row {r} is not a token id below the vocabulary size {v}"
+        );
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (s, sx) = crate::vmath::exp_moments_f64(x, max);
+        let ln_s = s.ln();
+        *lse = (max as f64 + ln_s) as f32;
+        o[0] = (x[t as usize] as f64 - max as f64 - ln_s) as f32;
+        o[1] = (ln_s - sx / s) as f32;
+    };
+    out.par_chunks_mut(2)
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .with_min_len((GRAIN / v).max(1))
+        .for_each(|(r, (o, l))| row(r, o, l));
+    lse
+}
+
+/// `d logits = g_r (onehot(t_r) - softmax(row))` per row of [`target_logprobs_forward`], `g`
+/// `[N]` the upstream gradient of the log-probs.
+pub fn target_logprobs_backward(
+    logits: &[f32],
+    v: usize,
+    targets: &[f32],
+    lse: &[f32],
+    g: &[f32],
+) -> Vec<f32> {
+    let mut d = vec![0.0f32; logits.len()];
+    d.par_chunks_mut(v)
+        .enumerate()
+        .with_min_len((GRAIN / v.max(1)).max(1))
+        .for_each(|(r, dr)| {
+            crate::vmath::scaled_exp(&logits[r * v..(r + 1) * v], lse[r], -g[r], dr);
+            dr[targets[r] as usize] += g[r];
+        });
+    d
 }
 
 /// RMSNorm of the rows of `x` (`gamma.len()` wide) into `out`; returns `r` per row.
@@ -1173,6 +1274,19 @@ impl FusedOps for Flex {
             shape_of(&q),
         )
     }
+
+    fn fused_target_logprobs(logits: FlexTensor, targets: FlexTensor) -> FlexTensor {
+        target_logprobs_flex(&contiguous(logits), &contiguous(targets)).0
+    }
+}
+
+/// [`target_logprobs_forward`] on `[N, V]` logits: (`[N, 2]`, the log-sum-exps).
+fn target_logprobs_flex(logits: &FlexTensor, targets: &FlexTensor) -> (FlexTensor, Vec<f32>) {
+    let shape = shape_of(logits);
+    let (n, v) = (shape[0], shape[1]);
+    let mut out = vec![0.0f32; 2 * n];
+    let lse = target_logprobs_forward(host(logits), v, host(targets), &mut out);
+    (flex(out, Shape::new([n, 2])), lse)
 }
 
 fn attn_shapes(q: &FlexTensor, k: &FlexTensor, causal: bool) -> Attn {
@@ -1334,6 +1448,28 @@ impl Backward<Flex, 1> for RopeBackward {
     }
 }
 
+#[derive(Debug)]
+struct TargetLogprobsBackward;
+
+impl Backward<Flex, 1> for TargetLogprobsBackward {
+    /// The logits, the targets, the log-sum-exps.
+    type State = (FlexTensor, FlexTensor, Vec<f32>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let g = contiguous(grads.consume::<Flex>(&ops.node));
+        let (logits, targets, lse) = ops.state;
+        if let Some(node) = node {
+            let shape = shape_of(&logits);
+            // Column 0 of the [N, 2] upstream gradient: the log-probs' (the entropy's is not
+            // propagated).
+            let g0: Vec<f32> = host(&g).chunks_exact(2).map(|c| c[0]).collect();
+            let d = target_logprobs_backward(host(&logits), shape[1], host(&targets), &lse, &g0);
+            grads.register::<Flex>(node.id, flex(d, shape));
+        }
+    }
+}
+
 /// Records `out` (computed on the inner backend) as an autodiff op with `backward` and its
 /// `state`, or as an untracked result when no parent requires a gradient (the state is dropped).
 fn record<BO, C, const N: usize>(
@@ -1412,6 +1548,17 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let out = rope_flex(&contiguous(x.into_primitive()), &cos, &sin, 1.0);
         record::<_, C, 1>(RopeBackward, parents, (cos, sin), out)
     }
+
+    fn fused_target_logprobs(
+        logits: FloatTensor<Self>,
+        targets: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let parents = [logits.node()];
+        let logits = contiguous(logits.into_primitive());
+        let targets = contiguous(targets.into_primitive());
+        let (out, lse) = target_logprobs_flex(&logits, &targets);
+        record::<_, C, 1>(TargetLogprobsBackward, parents, (logits, targets, lse), out)
+    }
 }
 
 #[cfg(test)]
@@ -1485,6 +1632,35 @@ mod tests {
         assert!(fused_path(&Tensor::<2>::zeros([2, 2], &Device::flex())));
         let f64_tensor = Tensor::<2>::zeros([2, 2], (&Device::flex(), DType::F64));
         assert!(!fused_path(&f64_tensor));
+    }
+
+    /// The fused target log-probs against burn's `log_softmax` + `gather` (values and the
+    /// logits' gradient), one row and enough rows for the rayon path, with logits scaled so that
+    /// the distributions range from flat to peaked; the entropy against its definition.
+    #[test]
+    fn target_logprobs_match_log_softmax_and_gather() {
+        use rand::{Rng, SeedableRng};
+        for (n, v, spread) in [(1, 5, 1.0), (37, 300, 8.0), (64, 4099, 3.0)] {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(n as u64);
+            let ids: Vec<i64> = (0..n).map(|_| rng.random_range(0..v as i64)).collect();
+            let targets = || Tensor::<1, Int>::from_data(TensorData::new(ids.clone(), [n]), &ad());
+            let (dy, dg) = compare(
+                [rand([n, v], 5) * spread],
+                |x| target_logprobs(x[0].clone(), targets()).0,
+                |x| {
+                    burn::tensor::activation::log_softmax(x[0].clone(), 1)
+                        .gather(1, targets().reshape([n, 1]))
+                        .reshape([n])
+                },
+            );
+            assert!(dy < 1e-5 && dg < 1e-5, "n {n} v {v}: {dy} {dg}");
+            let logits = rand([n, v], 5) * spread;
+            let (_, entropy) = target_logprobs(logits.clone(), targets());
+            let p = burn::tensor::activation::softmax(logits.clone(), 1);
+            let want = (p.clone() * p.log()).sum_dim(1).reshape([n]).neg();
+            let de = max_diff(entropy, want);
+            assert!(de < 1e-4, "entropy n {n} v {v}: {de}");
+        }
     }
 
     #[test]

@@ -10,7 +10,6 @@
 //! [`score_tokens`] is the train-time counterpart: log-probs of given tokens under the current
 //! parameters, as a differentiable tensor computed with the full (uncached) forward.
 
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
@@ -669,8 +668,7 @@ pub fn score_tokens(
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
 ) -> Tensor<2> {
-    let logp = next_token_log_softmax(model, tokens.clone(), attention_mask, temperature);
-    gather_next(logp, tokens)
+    score_next(model, tokens, attention_mask, temperature).0
 }
 
 /// [`score_tokens`] plus the entropy `[B, T-1]` of each next-token distribution (the same
@@ -683,9 +681,7 @@ pub fn score_tokens_with_entropy(
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
 ) -> (Tensor<2>, Tensor<2>) {
-    let logp = next_token_log_softmax(model, tokens.clone(), attention_mask, temperature);
-    let entropy = detached_entropy(&logp);
-    (gather_next(logp, tokens), entropy)
+    score_next(model, tokens, attention_mask, temperature)
 }
 
 /// [`score_tokens_with_entropy`] at chosen positions only: `at` `[B, K]` holds, per row, the
@@ -714,49 +710,41 @@ pub fn score_tokens_at(
         .sub_scalar(1)
         .reshape([b, k, 1])
         .expand([b, k, h]);
-    let logp = tempered_log_softmax(model.logits(hidden.gather(1, src)), temperature); // [b, k, v]
-    let entropy = detached_entropy(&logp);
-    let targets = tokens.gather(1, at).reshape([b, k, 1]);
-    (logp.gather(2, targets).reshape([b, k]), entropy)
+    let logits = model.logits(hidden.gather(1, src)); // [b, k, v]
+    scored(logits, tokens.gather(1, at), temperature)
 }
 
-/// `log_softmax(logits[:, :-1] / temperature)`, shape `[B, T-1, V]`: entry `p` is the
-/// distribution of token `p + 1`.
-fn next_token_log_softmax(
+/// `(logp, entropy)` `[B, T-1]` of each next token of `tokens` under
+/// `log_softmax(logits[:, :-1] / temperature)` (entry `p`: token `p + 1`).
+fn score_next(
     model: &Transformer,
     tokens: Tensor<2, Int>,
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
-) -> Tensor<3> {
+) -> (Tensor<2>, Tensor<2>) {
     let [b, t] = tokens.dims();
-    let logits = model.forward_masked(tokens, attention_mask);
+    let logits = model.forward_masked(tokens.clone(), attention_mask);
     let v = logits.dims()[2];
-    tempered_log_softmax(logits.slice([0..b, 0..t - 1, 0..v]), temperature)
+    scored(
+        logits.slice([0..b, 0..t - 1, 0..v]),
+        tokens.slice([0..b, 1..t]),
+        temperature,
+    )
 }
 
-/// `log_softmax(logits / temperature)` over the vocabulary (last) axis of `[B, T, V]`.
-fn tempered_log_softmax(logits: Tensor<3>, temperature: f32) -> Tensor<3> {
+/// `(logp, entropy)` `[B, K]`: `log_softmax(logits / temperature)` (`logits` `[B, K, V]`)
+/// gathered at `targets` `[B, K]` (differentiable), and each distribution's entropy (detached),
+/// by [`crate::fused::target_logprobs`].
+fn scored(logits: Tensor<3>, targets: Tensor<2, Int>, temperature: f32) -> (Tensor<2>, Tensor<2>) {
+    let [b, k, v] = logits.dims();
     let logits = if temperature != 1.0 {
         logits.div_scalar(temperature)
     } else {
         logits
     };
-    log_softmax(logits, 2)
-}
-
-/// Entropy `[B, T]` of each distribution of `logp` `[B, T, V]`, detached (for logging: its
-/// gradient would keep a second `[B, T, V]` tensor alive for the backward pass).
-fn detached_entropy(logp: &Tensor<3>) -> Tensor<2> {
-    let [b, t, _] = logp.dims();
-    let l = logp.clone().detach();
-    (l.clone().exp() * l).sum_dim(2).reshape([b, t]).neg()
-}
-
-/// `logp[:, p, tokens[:, p + 1]]`, shape `[B, T-1]`.
-fn gather_next(logp: Tensor<3>, tokens: Tensor<2, Int>) -> Tensor<2> {
-    let [b, t] = tokens.dims();
-    let targets = tokens.slice([0..b, 1..t]).reshape([b, t - 1, 1]);
-    logp.gather(2, targets).reshape([b, t - 1])
+    let (logp, entropy) =
+        crate::fused::target_logprobs(logits.reshape([b * k, v]), targets.reshape([b * k]));
+    (logp.reshape([b, k]), entropy.reshape([b, k]))
 }
 
 #[cfg(test)]

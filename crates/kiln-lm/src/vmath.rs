@@ -131,6 +131,46 @@ dispatch!(
 );
 
 #[inline(always)]
+fn exp_moments_f64_generic(xs: &[f32], shift: f32) -> (f64, f64) {
+    let (mut s, mut sx) = ([0.0f64; 8], [0.0f64; 8]);
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for j in 0..8 {
+            let y = c[j] - shift;
+            let e = exp(y);
+            s[j] += e as f64;
+            sx[j] += (e * y) as f64;
+        }
+    }
+    let (mut ts, mut tsx) = (0.0f64, 0.0f64);
+    for &x in chunks.remainder() {
+        let y = x - shift;
+        let e = exp(y);
+        ts += e as f64;
+        tsx += (e * y) as f64;
+    }
+    (s.iter().sum::<f64>() + ts, sx.iter().sum::<f64>() + tsx)
+}
+
+dispatch!(
+    /// `(sum_i e^(x_i - shift), sum_i e^(x_i - shift) (x_i - shift))`, terms in f32, sums in f64
+    /// (8 lane sums): a log-sum-exp and an entropy over a vocabulary in one pass.
+    pub(crate) exp_moments_f64, exp_moments_f64_generic, (xs: &[f32], shift: f32) -> (f64, f64)
+);
+
+#[inline(always)]
+fn scaled_exp_generic(xs: &[f32], shift: f32, scale: f32, out: &mut [f32]) {
+    for (o, &x) in out.iter_mut().zip(xs) {
+        *o = scale * exp(x - shift);
+    }
+}
+
+dispatch!(
+    /// `out = scale * e^(x - shift)` element-wise (a softmax times a gradient).
+    pub(crate) scaled_exp, scaled_exp_generic, (xs: &[f32], shift: f32, scale: f32, out: &mut [f32])
+);
+
+#[inline(always)]
 fn silu_mul_generic(a: &[f32], b: &[f32], out: &mut [f32]) {
     for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
         *o = a * sigmoid(a) * b;
@@ -209,6 +249,23 @@ mod tests {
             let s = sum_exp_f64(&xs, 4.0, 0.5);
             let want: f64 = xs.iter().map(|&x| (((x - 4.0) * 0.5) as f64).exp()).sum();
             assert!((s - want).abs() <= 1e-6 * want.max(1e-30), "{s} vs {want}");
+
+            let (m0, m1) = exp_moments_f64(&xs, 1.5);
+            let (w0, w1) = xs.iter().fold((0.0f64, 0.0f64), |(a, b), &x| {
+                let y = (x - 1.5) as f64;
+                (a + y.exp(), b + y.exp() * y)
+            });
+            assert!((m0 - w0).abs() <= 1e-6 * w0.max(1e-30), "{m0} vs {w0}");
+            assert!(
+                (m1 - w1).abs() <= 1e-5 * w1.abs().max(1e-30),
+                "{m1} vs {w1}"
+            );
+            let mut se = vec![0.0f32; n];
+            scaled_exp(&xs, 1.5, -0.25, &mut se);
+            for (g, &x) in se.iter().zip(&xs) {
+                let want = -0.25 * ((x - 1.5) as f64).exp();
+                assert!((*g as f64 - want).abs() <= 1e-6 * want.abs().max(1e-30));
+            }
 
             let b: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let g: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
