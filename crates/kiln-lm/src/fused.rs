@@ -431,21 +431,15 @@ fn attend_body<const FMA: bool>(s: &Span<'_>, o: &mut [f32]) {
     let d = s.d;
     let mut p = vec![0.0f32; s.keep.len()];
     for (q, o) in s.q.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
-        let mut max = f32::NEG_INFINITY;
         for ((sc, key), &kp) in p.iter_mut().zip(s.keys.chunks_exact(d)).zip(s.keep) {
             if kp {
                 *sc = dot::<FMA>(q, key) * s.scale;
-                max = max.max(*sc);
-            } else {
-                *sc = f32::NEG_INFINITY;
             }
         }
         o.fill(0.0);
-        if max == f32::NEG_INFINITY {
+        let Some(inv) = masked_exp(&mut p, s.keep) else {
             continue;
-        }
-        let sum = crate::vmath::exp_shift_sum(&mut p, max);
-        let inv = 1.0 / sum;
+        };
         for (&sc, val) in p.iter().zip(s.vals.chunks_exact(d)) {
             if sc > 0.0 {
                 let w = sc * inv;
@@ -527,19 +521,10 @@ mod attend_avx2 {
                     *pj = super::dot::<true>(q, &s.keys[jj * d..(jj + 1) * d]) * s.scale;
                 }
             }
-            let mut max = f32::NEG_INFINITY;
-            for (pj, &keep) in p.iter_mut().zip(s.keep) {
-                if keep {
-                    max = max.max(*pj);
-                } else {
-                    *pj = f32::NEG_INFINITY;
-                }
-            }
             o.fill(0.0);
-            if max == f32::NEG_INFINITY {
+            let Some(inv) = super::masked_exp(&mut p, s.keep) else {
                 continue;
-            }
-            let inv = 1.0 / crate::vmath::exp_shift_sum(&mut p, max);
+            };
             let op = o.as_mut_ptr();
             let mut c0 = 0;
             // SAFETY (both loops): value j's columns c0..c0 + 8 * n lie in vals[j * d..] with
@@ -589,6 +574,20 @@ mod attend_avx2 {
             unsafe { _mm256_storeu_ps(out.add(8 * x), *a) };
         }
     }
+}
+
+/// A query's scores `p` -> softmax numerators in place: `-inf` (weight 0) where `keep` is false,
+/// `e^(p - max)` over the kept ones; returns `1 / sum`, or `None` when no key is kept.
+fn masked_exp(p: &mut [f32], keep: &[bool]) -> Option<f32> {
+    let mut max = f32::NEG_INFINITY;
+    for (pj, &k) in p.iter_mut().zip(keep) {
+        if k {
+            max = max.max(*pj);
+        } else {
+            *pj = f32::NEG_INFINITY;
+        }
+    }
+    (max != f32::NEG_INFINITY).then(|| 1.0 / crate::vmath::exp_shift_sum(p, max))
 }
 
 /// `a . b` in eight running sums (the compiler vectorises them; one running sum would be a
