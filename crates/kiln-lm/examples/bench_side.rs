@@ -78,7 +78,10 @@ fn fwd_bwd(model: &Transformer, rows: &[Vec<u32>], micro: usize) {
             .slice([0..b, 0..w - 1, 0..v])
             .reshape([b * (w - 1), v]);
         let tgt = tokens.slice([0..b, 1..w]).reshape([b * (w - 1)]);
-        let loss = kiln_lm::fused::target_logprobs(logits, tgt).0.mean().neg();
+        let loss = kiln_lm::fused::target_logprobs(logits, tgt, false)
+            .0
+            .mean()
+            .neg();
         drop(loss.backward());
     }
 }

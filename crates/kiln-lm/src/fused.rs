@@ -198,9 +198,10 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
     }
 }
 
-/// `log_softmax(logits)` gathered at `targets`, and the entropy of each row's distribution
-/// (detached: for logging), for `logits` `[N, V]` and `targets` `[N]`: `(logp [N], entropy
-/// [N])`. The gradient of `logp` reaches `logits`.
+/// `log_softmax(logits)` gathered at `targets`, and, when `with_entropy`, the entropy of each
+/// row's distribution (detached: for logging), for `logits` `[N, V]` and `targets` `[N]`:
+/// `(logp [N], entropy [N])`. The gradient of `logp` reaches `logits`. (The fused kernel gets
+/// the entropy from the log-sum-exp's pass at no extra cost; burn's ops take three more passes.)
 ///
 /// Why fused: burn's `log_softmax` + `gather` are ~6 passes over the `[N, V]` logits forward
 /// (max, subtract, exp, sum, log, subtract; `exp` a scalar libm call) and the backward
@@ -212,7 +213,11 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
 ///
 /// # Panics
 /// If a target is not a valid column of `logits` (as burn's `gather`).
-pub fn target_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<1>) {
+pub fn target_logprobs(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    with_entropy: bool,
+) -> (Tensor<1>, Option<Tensor<1>>) {
     let [n, _] = logits.dims();
     if fused_path(&logits) && targets.dims() == [n] {
         let targets = targets.float();
@@ -221,12 +226,14 @@ pub fn target_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>
             targets.into_dispatch(),
         ));
         let logp = out.clone().slice([0..n, 0..1]).reshape([n]);
-        let entropy = out.slice([0..n, 1..2]).reshape([n]).detach();
+        let entropy = with_entropy.then(|| out.slice([0..n, 1..2]).reshape([n]).detach());
         (logp, entropy)
     } else {
         let logp = burn::tensor::activation::log_softmax(logits, 1);
-        let l = logp.clone().detach();
-        let entropy = (l.clone().exp() * l).sum_dim(1).reshape([n]).neg();
+        let entropy = with_entropy.then(|| {
+            let l = logp.clone().detach();
+            (l.clone().exp() * l).sum_dim(1).reshape([n]).neg()
+        });
         (
             logp.gather(1, targets.reshape([n, 1])).reshape([n]),
             entropy,
@@ -1645,7 +1652,7 @@ mod tests {
             let targets = || Tensor::<1, Int>::from_data(TensorData::new(ids.clone(), [n]), &ad());
             let (dy, dg) = compare(
                 [rand([n, v], 5) * spread],
-                |x| target_logprobs(x[0].clone(), targets()).0,
+                |x| target_logprobs(x[0].clone(), targets(), false).0,
                 |x| {
                     burn::tensor::activation::log_softmax(x[0].clone(), 1)
                         .gather(1, targets().reshape([n, 1]))
@@ -1654,7 +1661,9 @@ mod tests {
             );
             assert!(dy < 1e-5 && dg < 1e-5, "n {n} v {v}: {dy} {dg}");
             let logits = rand([n, v], 5) * spread;
-            let (_, entropy) = target_logprobs(logits.clone(), targets());
+            let entropy = target_logprobs(logits.clone(), targets(), true)
+                .1
+                .expect("asked for");
             let p = burn::tensor::activation::softmax(logits.clone(), 1);
             let want = (p.clone() * p.log()).sum_dim(1).reshape([n]).neg();
             let de = max_diff(entropy, want);

@@ -668,7 +668,7 @@ pub fn score_tokens(
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
 ) -> Tensor<2> {
-    score_next(model, tokens, attention_mask, temperature).0
+    score_next(model, tokens, attention_mask, temperature, false).0
 }
 
 /// [`score_tokens`] plus the entropy `[B, T-1]` of each next-token distribution (the same
@@ -681,7 +681,8 @@ pub fn score_tokens_with_entropy(
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
 ) -> (Tensor<2>, Tensor<2>) {
-    score_next(model, tokens, attention_mask, temperature)
+    let (logp, entropy) = score_next(model, tokens, attention_mask, temperature, true);
+    (logp, entropy.expect("asked for"))
 }
 
 /// [`score_tokens_with_entropy`] at chosen positions only: `at` `[B, K]` holds, per row, the
@@ -711,17 +712,19 @@ pub fn score_tokens_at(
         .reshape([b, k, 1])
         .expand([b, k, h]);
     let logits = model.logits(hidden.gather(1, src)); // [b, k, v]
-    scored(logits, tokens.gather(1, at), temperature)
+    let (logp, entropy) = scored(logits, tokens.gather(1, at), temperature, true);
+    (logp, entropy.expect("asked for"))
 }
 
-/// `(logp, entropy)` `[B, T-1]` of each next token of `tokens` under
+/// `(logp, entropy if with_entropy)` `[B, T-1]` of each next token of `tokens` under
 /// `log_softmax(logits[:, :-1] / temperature)` (entry `p`: token `p + 1`).
 fn score_next(
     model: &Transformer,
     tokens: Tensor<2, Int>,
     attention_mask: Tensor<2, Bool>,
     temperature: f32,
-) -> (Tensor<2>, Tensor<2>) {
+    with_entropy: bool,
+) -> (Tensor<2>, Option<Tensor<2>>) {
     let [b, t] = tokens.dims();
     let logits = model.forward_masked(tokens.clone(), attention_mask);
     let v = logits.dims()[2];
@@ -729,22 +732,31 @@ fn score_next(
         logits.slice([0..b, 0..t - 1, 0..v]),
         tokens.slice([0..b, 1..t]),
         temperature,
+        with_entropy,
     )
 }
 
 /// `(logp, entropy)` `[B, K]`: `log_softmax(logits / temperature)` (`logits` `[B, K, V]`)
-/// gathered at `targets` `[B, K]` (differentiable), and each distribution's entropy (detached),
-/// by [`crate::fused::target_logprobs`].
-fn scored(logits: Tensor<3>, targets: Tensor<2, Int>, temperature: f32) -> (Tensor<2>, Tensor<2>) {
+/// gathered at `targets` `[B, K]` (differentiable), and, when `with_entropy`, each
+/// distribution's entropy (detached), by [`crate::fused::target_logprobs`].
+fn scored(
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    temperature: f32,
+    with_entropy: bool,
+) -> (Tensor<2>, Option<Tensor<2>>) {
     let [b, k, v] = logits.dims();
     let logits = if temperature != 1.0 {
         logits.div_scalar(temperature)
     } else {
         logits
     };
-    let (logp, entropy) =
-        crate::fused::target_logprobs(logits.reshape([b * k, v]), targets.reshape([b * k]));
-    (logp.reshape([b, k]), entropy.reshape([b, k]))
+    let (logp, entropy) = crate::fused::target_logprobs(
+        logits.reshape([b * k, v]),
+        targets.reshape([b * k]),
+        with_entropy,
+    );
+    (logp.reshape([b, k]), entropy.map(|e| e.reshape([b, k])))
 }
 
 #[cfg(test)]
