@@ -925,7 +925,15 @@ struct Attn {
     kvh: usize,
     d: usize,
     causal: bool,
+    /// Queries per block (see [`QUERY_BLOCK`]).
+    bq: usize,
 }
+
+/// Queries per block of the host attention: each block computes its `[bq, keys]` scores (keys
+/// `0..=last query` under the causal mask, so the masked upper triangle is skipped), so the score
+/// buffer stays in L2 instead of a `[T, T]` matrix per head (4.3 MB at T = 1,042). Small under
+/// test, so that the tests cross block boundaries.
+const QUERY_BLOCK: usize = if cfg!(test) { 8 } else { 128 };
 
 impl Attn {
     fn scale(&self) -> f32 {
@@ -940,22 +948,25 @@ impl Attn {
     }
 }
 
-/// `s [T, T] = scale * q_bh k_bh^T` for one (row, head).
+/// `s [rows, keys] = scale * q k^T` for `rows` queries and the first `keys` keys of one (row,
+/// head).
 ///
 /// # Safety
-/// `q`, `k` point at the head's first element in `[B, T, heads, D]` buffers.
-unsafe fn scores(a: &Attn, q: *const f32, k: *const f32, s: &mut [f32]) {
-    let (t, d) = (a.t, a.d);
+/// `q` points at the first query's head element, `k` at key 0's, in `[B, T, heads, D]` buffers
+/// holding `rows` queries and `keys` keys from there.
+unsafe fn scores(a: &Attn, rows: usize, keys: usize, q: *const f32, k: *const f32, s: &mut [f32]) {
+    let d = a.d;
+    assert!(s.len() >= rows * keys);
     // SAFETY: q rows are `h * d` apart, k rows `kvh * d`; k^T reads k with swapped strides;
-    // s is a contiguous [t, t] (len checked by the caller's allocation).
+    // s holds a contiguous [rows, keys] (asserted above).
     unsafe {
         gemm::gemm(
-            t,
-            t,
+            rows,
+            keys,
             d,
             s.as_mut_ptr(),
             1,
-            t as isize,
+            keys as isize,
             false,
             q,
             1,
@@ -1016,12 +1027,13 @@ unsafe fn gemm_into(
     }
 }
 
-/// Turns the scores `s` `[T, T]` of (row `bi`) into probabilities in place (zero where not
-/// allowed, a zero row where nothing is), returning each row's log-sum-exp (`+inf` for an
-/// empty row).
-fn softmax_rows(a: &Attn, keep: &[f32], bi: usize, s: &mut [f32], lse: &mut [f32]) {
-    let t = a.t;
-    for (i, row) in s.chunks_mut(t).enumerate() {
+/// Turns the scores `s` `[lse.len(), keys]` of queries `q0..` of (row `bi`) into probabilities
+/// in place (zero where not allowed, a zero row where nothing is), writing each query's
+/// log-sum-exp (`+inf` for an empty row).
+fn softmax_rows(a: &Attn, keep: &[f32], bi: usize, q0: usize, s: &mut [f32], lse: &mut [f32]) {
+    let keys = s.len() / lse.len().max(1);
+    for (r, row) in s.chunks_mut(keys).enumerate() {
+        let i = q0 + r;
         let mut max = f32::NEG_INFINITY;
         for (j, &x) in row.iter().enumerate() {
             if a.allowed(keep, bi, i, j) && x > max {
@@ -1030,7 +1042,7 @@ fn softmax_rows(a: &Attn, keep: &[f32], bi: usize, s: &mut [f32], lse: &mut [f32
         }
         if max == f32::NEG_INFINITY {
             row.fill(0.0);
-            lse[i] = f32::INFINITY;
+            lse[r] = f32::INFINITY;
             continue;
         }
         for (j, x) in row.iter_mut().enumerate() {
@@ -1041,8 +1053,18 @@ fn softmax_rows(a: &Attn, keep: &[f32], bi: usize, s: &mut [f32], lse: &mut [f32
         let sum = crate::vmath::exp_shift_sum(row, max);
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|x| *x *= inv);
-        lse[i] = max + sum.ln();
+        lse[r] = max + sum.ln();
     }
+}
+
+/// The query blocks `(q0, rows, keys)` of one (row, head): `keys` = the keys any of the block's
+/// queries may see (`q0 + rows` under the causal mask, else all `T`).
+fn query_blocks(a: &Attn) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let bq = a.bq.max(1);
+    (0..a.t).step_by(bq).map(move |q0| {
+        let rows = bq.min(a.t - q0);
+        (q0, rows, if a.causal { q0 + rows } else { a.t })
+    })
 }
 
 /// Forward: `(out [B, T, H, D], lse [B, H, T])`.
@@ -1061,28 +1083,35 @@ fn attention_forward(
     lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
         let (bi, hi) = (bh / a.h, bh % a.h);
         let kv = hi / group;
-        let mut s = vec![0.0f32; t * t];
-        // SAFETY: offsets from `Attn::at` stay inside the [B, T, heads, D] buffers; each task
-        // writes only its own (row, head) columns of `out`.
-        unsafe {
-            scores(
-                a,
-                q.as_ptr().add(a.at(bi, hi, a.h)),
-                k.as_ptr().add(a.at(bi, kv, a.kvh)),
-                &mut s,
-            );
-            softmax_rows(a, keep, bi, &mut s, lse);
-            gemm_into(
-                (t, d, t),
-                out_ptr.get().add(a.at(bi, hi, a.h)),
-                ((a.h * d) as isize, 1),
-                false,
-                s.as_ptr(),
-                (t as isize, 1),
-                v.as_ptr().add(a.at(bi, kv, a.kvh)),
-                ((a.kvh * d) as isize, 1),
-                1.0,
-            );
+        let mut s = vec![0.0f32; a.bq.min(t) * t];
+        for (q0, rows, keys) in query_blocks(a) {
+            let s = &mut s[..rows * keys];
+            let qo = a.at(bi, hi, a.h) + q0 * a.h * d;
+            // SAFETY: offsets from `Attn::at` plus whole query rows stay inside the
+            // [B, T, heads, D] buffers (q0 + rows <= T, keys <= T); each task writes only its
+            // own (row, head) columns of `out`.
+            unsafe {
+                scores(
+                    a,
+                    rows,
+                    keys,
+                    q.as_ptr().add(qo),
+                    k.as_ptr().add(a.at(bi, kv, a.kvh)),
+                    s,
+                );
+                softmax_rows(a, keep, bi, q0, s, &mut lse[q0..q0 + rows]);
+                gemm_into(
+                    (rows, d, keys),
+                    out_ptr.get().add(qo),
+                    ((a.h * d) as isize, 1),
+                    false,
+                    s.as_ptr(),
+                    (keys as isize, 1),
+                    v.as_ptr().add(a.at(bi, kv, a.kvh)),
+                    ((a.kvh * d) as isize, 1),
+                    1.0,
+                );
+            }
         }
     });
     (out, lse)
@@ -1114,85 +1143,97 @@ fn attention_backward(
     // into that kv head's dk / dv columns, which no other task touches.
     (0..a.b * a.kvh).into_par_iter().for_each(|bk| {
         let (bi, kv) = (bk / a.kvh, bk % a.kvh);
-        let mut p = vec![0.0f32; t * t];
-        let mut dp = vec![0.0f32; t * t];
+        let mut p = vec![0.0f32; a.bq.min(t) * t];
+        let mut dp = vec![0.0f32; a.bq.min(t) * t];
+        let ko = a.at(bi, kv, a.kvh);
+        let (qs, ks) = (((a.h * d) as isize, 1), ((a.kvh * d) as isize, 1));
         for hi in kv * group..(kv + 1) * group {
-            let (qo, ko) = (a.at(bi, hi, a.h), a.at(bi, kv, a.kvh));
-            let lse = &lse[(bi * a.h + hi) * t..(bi * a.h + hi + 1) * t];
-            let (qs, ks) = (((a.h * d) as isize, 1), ((a.kvh * d) as isize, 1));
-            // SAFETY: as in `attention_forward`; the writes are the task's own columns.
-            unsafe {
-                // P from the saved log-sum-exp.
-                scores(a, q.as_ptr().add(qo), k.as_ptr().add(ko), &mut p);
-                for (i, row) in p.chunks_mut(t).enumerate() {
-                    for (j, x) in row.iter_mut().enumerate() {
-                        if !(lse[i].is_finite() && a.allowed(keep, bi, i, j)) {
-                            *x = f32::NEG_INFINITY;
+            for (q0, rows, keys) in query_blocks(a) {
+                let qo = a.at(bi, hi, a.h) + q0 * a.h * d;
+                let lse = &lse[(bi * a.h + hi) * t + q0..(bi * a.h + hi) * t + q0 + rows];
+                let (p, dp) = (&mut p[..rows * keys], &mut dp[..rows * keys]);
+                // SAFETY: as in `attention_forward`; the writes are the task's own columns
+                // (dq: this head's rows q0..q0 + rows; dk, dv: this kv head's).
+                unsafe {
+                    // P from the saved log-sum-exp.
+                    scores(a, rows, keys, q.as_ptr().add(qo), k.as_ptr().add(ko), p);
+                    for (r, row) in p.chunks_mut(keys).enumerate() {
+                        for (j, x) in row.iter_mut().enumerate() {
+                            if !(lse[r].is_finite() && a.allowed(keep, bi, q0 + r, j)) {
+                                *x = f32::NEG_INFINITY;
+                            }
+                        }
+                        crate::vmath::exp_shift_sum(
+                            row,
+                            if lse[r].is_finite() { lse[r] } else { 0.0 },
+                        );
+                    }
+                    // dV[..keys] += P^T dO.
+                    gemm_into(
+                        (keys, d, rows),
+                        dv_ptr.get().add(ko),
+                        ks,
+                        true,
+                        p.as_ptr(),
+                        (1, keys as isize),
+                        g.as_ptr().add(qo),
+                        qs,
+                        1.0,
+                    );
+                    // dP = dO V[..keys]^T.
+                    gemm_into(
+                        (rows, keys, d),
+                        dp.as_mut_ptr(),
+                        (keys as isize, 1),
+                        false,
+                        g.as_ptr().add(qo),
+                        qs,
+                        v.as_ptr().add(ko),
+                        (1, (a.kvh * d) as isize),
+                        1.0,
+                    );
+                    // dS = P * (dP - rowsum(dO * O)), into dp.
+                    for r in 0..rows {
+                        let (gr, or) = (
+                            g.as_ptr().add(qo + r * a.h * d),
+                            out.as_ptr().add(qo + r * a.h * d),
+                        );
+                        let mut delta = 0.0f32;
+                        for c in 0..d {
+                            delta += *gr.add(c) * *or.add(c);
+                        }
+                        let (pr, dpr) = (
+                            &p[r * keys..(r + 1) * keys],
+                            &mut dp[r * keys..(r + 1) * keys],
+                        );
+                        for (x, &pv) in dpr.iter_mut().zip(pr) {
+                            *x = pv * (*x - delta);
                         }
                     }
-                    crate::vmath::exp_shift_sum(row, if lse[i].is_finite() { lse[i] } else { 0.0 });
-                }
-                // dV += P^T dO.
-                gemm_into(
-                    (t, d, t),
-                    dv_ptr.get().add(ko),
-                    ks,
-                    true,
-                    p.as_ptr(),
-                    (1, t as isize),
-                    g.as_ptr().add(qo),
-                    qs,
-                    1.0,
-                );
-                // dP = dO V^T.
-                gemm_into(
-                    (t, t, d),
-                    dp.as_mut_ptr(),
-                    (t as isize, 1),
-                    false,
-                    g.as_ptr().add(qo),
-                    qs,
-                    v.as_ptr().add(ko),
-                    (1, (a.kvh * d) as isize),
-                    1.0,
-                );
-                // dS = P * (dP - rowsum(dO * O)), into dp.
-                for i in 0..t {
-                    let (gr, or) = (
-                        g.as_ptr().add(qo + i * a.h * d),
-                        out.as_ptr().add(qo + i * a.h * d),
+                    // dQ = scale * dS K[..keys]; dK[..keys] += scale * dS^T Q.
+                    gemm_into(
+                        (rows, d, keys),
+                        dq_ptr.get().add(qo),
+                        qs,
+                        false,
+                        dp.as_ptr(),
+                        (keys as isize, 1),
+                        k.as_ptr().add(ko),
+                        ks,
+                        a.scale(),
                     );
-                    let mut delta = 0.0f32;
-                    for c in 0..d {
-                        delta += *gr.add(c) * *or.add(c);
-                    }
-                    for j in 0..t {
-                        dp[i * t + j] = p[i * t + j] * (dp[i * t + j] - delta);
-                    }
+                    gemm_into(
+                        (keys, d, rows),
+                        dk_ptr.get().add(ko),
+                        ks,
+                        true,
+                        dp.as_ptr(),
+                        (1, keys as isize),
+                        q.as_ptr().add(qo),
+                        qs,
+                        a.scale(),
+                    );
                 }
-                // dQ = scale * dS K; dK += scale * dS^T Q.
-                gemm_into(
-                    (t, d, t),
-                    dq_ptr.get().add(qo),
-                    qs,
-                    false,
-                    dp.as_ptr(),
-                    (t as isize, 1),
-                    k.as_ptr().add(ko),
-                    ks,
-                    a.scale(),
-                );
-                gemm_into(
-                    (t, d, t),
-                    dk_ptr.get().add(ko),
-                    ks,
-                    true,
-                    dp.as_ptr(),
-                    (1, t as isize),
-                    q.as_ptr().add(qo),
-                    qs,
-                    a.scale(),
-                );
             }
         }
     });
@@ -1304,6 +1345,7 @@ fn attn_shapes(q: &FlexTensor, k: &FlexTensor, causal: bool) -> Attn {
         kvh: ks[2],
         d: qs[3],
         causal,
+        bq: QUERY_BLOCK,
     }
 }
 
@@ -1935,6 +1977,56 @@ mod tests {
                     reference.slice([0..1, 0..t, 0..h, 0..d])
                 ) < 1e-5
             );
+        }
+    }
+
+    #[test]
+    fn blocked_attention_is_independent_of_the_query_block() {
+        // One block of all T queries is the unblocked computation; every smaller block
+        // (ragged last blocks, one query per block) must give the same values and gradients.
+        let (b, t, h, kvh, d) = (2, 37, 4, 2, 8);
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        let mut fill =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+        let (q, k, v, g) = (
+            fill(b * t * h * d),
+            fill(b * t * kvh * d),
+            fill(b * t * kvh * d),
+            fill(b * t * h * d),
+        );
+        let mut keep = vec![1.0f32; b * t];
+        keep[t..t + 5].iter_mut().for_each(|x| *x = 0.0);
+        keep[t + 20] = 0.0;
+        for causal in [true, false] {
+            let run = |bq: usize| {
+                let a = Attn {
+                    b,
+                    t,
+                    h,
+                    kvh,
+                    d,
+                    causal,
+                    bq,
+                };
+                let (out, lse) = attention_forward(&a, &q, &k, &v, &keep);
+                let (dq, dk, dv) = attention_backward(&a, &q, &k, &v, &keep, &out, &lse, &g);
+                [out, lse, dq, dk, dv]
+            };
+            let whole = run(t);
+            for bq in [1, 5, 8, 36] {
+                for (name, (x, y)) in ["out", "lse", "dq", "dk", "dv"]
+                    .iter()
+                    .zip(whole.iter().zip(run(bq)))
+                {
+                    let diff = x
+                        .iter()
+                        .zip(&y)
+                        .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() })
+                        .fold(0.0f32, f32::max);
+                    assert!(diff < 1e-5, "causal {causal}, block {bq}, {name}: {diff}");
+                }
+            }
         }
     }
 
